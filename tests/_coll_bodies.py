@@ -279,7 +279,33 @@ def fast_path_cache(rank: int, world: int) -> dict:
         dist.all_reduce = real
 
 
-def suite2(rank: int, world: int, matrix_args: tuple) -> dict:
+def group_lifetime(rank: int, world: int, store_path: str) -> dict:
+    """destroy_process_group frees the group at once (no cache of ours keeps it alive, or its gloo threads
+    outlive the interpreter and abort the process at exit), and a new group gets working SHM again."""
+    import gc
+    import weakref
+
+    from torchstrategies import collectives as C
+    from torchstrategies.collectives import CommunicationOptions
+
+    shm_opts = CommunicationOptions(implementation="SHM", timeout_seconds=30)
+    for _ in range(3):  # the second and third calls take the cached plan (the hot path)
+        C.all_reduce_(torch.ones(1000), options=shm_opts)
+    C.all_reduce_async(torch.ones(10), options=shm_opts).wait()
+    C.all_reduce_(torch.ones(10), options=CommunicationOptions(implementation="HIERARCHICAL", timeout_seconds=30))
+    C.all_gather(torch.ones(3))
+    world_ref = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    freed = world_ref() is None
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    t = torch.full((1000,), float(rank + 1))
+    C.all_reduce_(t, options=shm_opts)  # a cached plan of the old group must not be used
+    C.all_reduce_(t, options=shm_opts)
+    return {"freed": freed, "after": t[0].item()}
+
+
+def suite2(rank: int, world: int, matrix_args: tuple, store_path: str = "") -> dict:
     """One 2-rank run for many checks (spawning ranks is the slow part on a 2-core machine)."""
     out: dict = {}
     out["matrix"] = matrix(rank, world, *matrix_args)
@@ -292,6 +318,8 @@ def suite2(rank: int, world: int, matrix_args: tuple) -> dict:
         out["debug"] = debug_mismatch(rank, world)
     finally:
         del os.environ["TORCHSTRATEGIES_DEBUG"]
+    if store_path:  # destroys the world group and makes a new one (the checks below run on it)
+        out["lifetime"] = group_lifetime(rank, world, store_path)
     out["shm_mismatch"] = shm_mismatch(rank, world)  # last: a mismatch retires the SHM communicator
     return out
 

@@ -27,11 +27,12 @@ def no_shm_leftovers():
 
 
 @pytest.fixture(scope="module")
-def world2():
+def world2(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("store") / "file_store")
     before = set(glob.glob("/dev/shm/torchstrat*"))
     big = [(i, "SUM", "float32") for i in ALL + ["SHM-BUF"]] + [
         ("SHM", "MAX", "int64"), ("SHM", "MEAN", "float64"), ("SHM-BUF", "MIN", "bfloat16"), ("SHM-BUF", "MEAN", "float64")]
-    res = run_ranks(B.suite2, 2, timeout=150, args=((ALL, OPS, DTYPES, [0, 1, 7, 4097], big),))
+    res = run_ranks(B.suite2, 2, timeout=150, args=((ALL, OPS, DTYPES, [0, 1, 7, 4097], big), store))
     left = set(glob.glob("/dev/shm/torchstrat*")) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
     return res
@@ -65,6 +66,11 @@ def test_cached_fast_path_gives_fresh_results_and_follows_mutated_options(world2
         assert fp["shm_native_calls"] == 0  # SHM never went through torch.distributed.all_reduce
         assert fp["gloo_native_calls"] >= 1  # the mutated options switched to GLOO
         assert fp["after"] == 3.0
+
+
+def test_destroy_process_group_frees_the_group_and_a_new_group_gets_working_shm(world2):
+    for r in world2:
+        assert r["lifetime"] == {"freed": True, "after": 6.0}  # (1 + 2) after one SUM, 6 after the second
 
 
 def test_bad_input_raises_clear_errors(world2):

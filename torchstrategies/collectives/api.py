@@ -23,6 +23,7 @@ for the benchmark behind it):
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Union
@@ -231,9 +232,11 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
 
     Returns False when the general path must run (first call, debug mode, pending async work, ...).
     Plans are keyed by value (``_plans``); a second cache keyed by identities (``_fast_ids``) skips
-    hashing options and enums in Python, which cost microseconds per call. It holds the keyed objects, so
-    an id cannot be reused while cached, and the option fields are re-checked, so options mutated after
-    the plan was made fall back to the general path.
+    hashing options and enums in Python, which cost microseconds per call. It holds the keyed options and
+    op, so their ids cannot be reused while cached, and the option fields are re-checked, so options
+    mutated after the plan was made fall back to the general path. Groups are held weakly (a plan must not
+    keep a destroyed process group alive): a plan whose group is gone, or whose group id now names
+    another object, is dropped.
     """
     if _pending or debug.enabled() or not t.is_cpu or not t.is_contiguous():
         return False
@@ -241,9 +244,10 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
     ikey = (id(group), id(options), id(op), t.dtype, small)
     plan = _fast_ids.get(ikey)
     if plan is None:
+        pkey = (None if group is None else id(group), options, op, t.dtype, small)
         try:
-            plan = _plans.get((group, options, op, t.dtype, small))
-        except TypeError:  # unhashable group object: no caching
+            plan = _plans.get(pkey)
+        except TypeError:  # unhashable options object: no caching
             return False
         if plan is None:
             return False
@@ -251,8 +255,12 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
             _fast_ids.clear()
             _fast_refs.clear()
         _fast_ids[ikey] = plan
-        _fast_refs[ikey] = (group, options, op)
-    impl, rop, timeout, world, comm, c_reduce, code, snapshot = plan
+        _fast_refs[ikey] = (options, op)
+    impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref = plan
+    if wref() is None or (gref is not None and gref() is not group):
+        _fast_ids.pop(ikey, None)  # made for a process group that has since been destroyed
+        _plans.pop((None if group is None else id(group), options, op, t.dtype, small), None)
+        return False
     if options is not None and (options.bytes_per_pack, options.timeout_seconds, options.implementation) != snapshot:
         return False
     if world == 1:
@@ -282,10 +290,12 @@ def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOption
         impl = Impl.GLOO  # nothing to exchange: dist.all_reduce on one rank is a no-op
     snapshot = None if options is None else (options.bytes_per_pack, options.timeout_seconds, options.implementation)
     c_reduce, code = (comm._c.all_reduce_, shm._OPS[rop]) if comm is not None else (None, None)
+    gref = None if group is None else weakref.ref(group)
+    wref = weakref.ref(topology.resolve(group))
     try:
-        _plans[(group, options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
-            impl, rop, timeout, world, comm, c_reduce, code, snapshot)
-    except TypeError:  # unhashable group object: no caching
+        _plans[(None if group is None else id(group), options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
+            impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref)
+    except TypeError:  # unhashable options object, or a group that takes no weak reference: no caching
         pass
 
 

@@ -7,6 +7,7 @@ order, so this works for the world group only (group=None); other groups raise V
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,17 +44,20 @@ class Layout:
             self.leader_group = lg
 
 
-_layout: Layout | None = None
+# The layout of the current world group, keyed by it weakly: destroying the world (and re-initializing)
+# drops the layout and its per-host groups instead of keeping dead process groups alive.
+_layouts: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
 # Between host leaders: the native (gloo) all-reduce, which beat our RING at every size in the benchmark
 # (docs/collectives.md); set LEADER_ALL_REDUCE[0] = ring.all_reduce_ to use the ring instead.
 LEADER_ALL_REDUCE = [native.all_reduce_]
 
 
 def layout() -> Layout:
-    global _layout
-    if _layout is None:
-        _layout = Layout()
-    return _layout
+    world = dist.group.WORLD
+    lay = _layouts.get(world)
+    if lay is None:
+        lay = _layouts[world] = Layout()
+    return lay
 
 
 def all_reduce_(t: torch.Tensor, op: ReduceOp, group: Any, timeout: float) -> torch.Tensor:

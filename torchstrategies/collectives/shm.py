@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +30,9 @@ __all__ = ["ShmCommunicator", "get_communicator", "supported"]
 _OPS = {ReduceOp.SUM: 0, ReduceOp.MEAN: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3}
 ERRORS = (_C.ShmDeadlineError, _C.ShmMismatchError)  # what the C++ communicator raises for comm faults
 SLOT_BYTES = int(os.environ.get("TORCHSTRATEGIES_SHM_SLOT_BYTES", str(4 << 20)))
-_comms: dict[tuple[int, ...], ShmCommunicator] = {}
+# One communicator per live group object, held weakly: a destroyed process group must be freed at once
+# (see topology), and a new group with the same ranks gets a communicator of its own.
+_comms: weakref.WeakKeyDictionary[Any, ShmCommunicator] = weakref.WeakKeyDictionary()
 _created: dict[tuple[int, ...], itertools.count] = {}
 
 
@@ -49,10 +52,11 @@ class ShmCommunicator:
     """
 
     def __init__(self, group: Any, timeout: float) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self.ranks = topology.group_ranks(self.group)
-        self.desc = topology.describe_group(self.group)
-        self.rank = dist.get_rank(self.group)
+        g = topology.resolve(group)
+        self._group = weakref.ref(g)  # never keeps a destroyed process group alive
+        self.ranks = topology.group_ranks(g)
+        self.desc = topology.describe_group(g)
+        self.rank = dist.get_rank(g)
         self.world = len(self.ranks)
         key = tuple(self.ranks)
         n = next(_created.setdefault(key, itertools.count()))
@@ -117,13 +121,18 @@ class ShmCommunicator:
         return bool(self._c.broken)
 
     @property
+    def alive(self) -> bool:
+        """False once the process group it was made for has been destroyed."""
+        return self._group() is not None
+
+    @property
     def name(self) -> str:
         return str(self._c.name)
 
 
 def get_communicator(group: Any, timeout: float) -> ShmCommunicator:
     """The cached communicator of ``group`` (created collectively on first use)."""
-    key = topology.group_key(group)
+    key = topology.resolve(group)
     comm = _comms.get(key)
     if comm is not None and comm.broken:
         raise RuntimeError(

@@ -2,24 +2,31 @@
 
 Host identity is ``TORCHSTRATEGIES_HOST_ID`` if set, else the hostname, so tests can simulate several
 hosts on one machine.
+
+Every cache here holds its process group weakly: a group destroyed with ``dist.destroy_process_group``
+must really go (with its gloo threads) at that moment. A cache that kept it alive until interpreter exit
+let a gloo worker thread free its last work item during finalization, which aborts the process
+("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import weakref
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["host_id", "group_ranks", "group_hosts", "describe_group", "group_timeout", "group_key"]
+__all__ = ["host_id", "resolve", "group_ranks", "group_hosts", "describe_group", "group_timeout", "group_key"]
 
-_hosts_cache: dict[Any, list[str]] = {}
-# Per group object: global ranks, description and timeout never change, and the hot path asks often.
-_ranks_cache: dict[Any, list[int]] = {}
-_desc_cache: dict[Any, str] = {}
-_timeout_cache: dict[Any, float] = {}
+# Per group object (held weakly): hosts, global ranks, description and timeout never change for a group,
+# and the hot path asks often.
+_hosts_cache: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
+_ranks_cache: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+_desc_cache: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_timeout_cache: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 def host_id() -> str:
@@ -27,7 +34,8 @@ def host_id() -> str:
     return os.environ.get("TORCHSTRATEGIES_HOST_ID") or socket.gethostname()
 
 
-def _resolve(group: Any) -> Any:
+def resolve(group: Any) -> Any:
+    """The process group object that ``group`` names (None is the world); raises if dist is not set up."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torchstrategies.collectives needs torch.distributed initialized "
@@ -38,7 +46,7 @@ def _resolve(group: Any) -> Any:
 
 def group_ranks(group: Any) -> list[int]:
     """Global ranks of the group, in group-rank order."""
-    g = _resolve(group)
+    g = resolve(group)
     r = _ranks_cache.get(g)
     if r is None:
         r = _ranks_cache[g] = [dist.get_global_rank(g, i) for i in range(dist.get_world_size(g))]
@@ -50,13 +58,13 @@ def group_key(group: Any) -> tuple[int, ...]:
 
 
 def clear_caches() -> None:
-    """Forgets cached group facts (after destroy_process_group)."""
+    """Forgets every cached group fact (entries of a destroyed group also go by themselves)."""
     for c in (_hosts_cache, _ranks_cache, _desc_cache, _timeout_cache):
         c.clear()
 
 
 def describe_group(group: Any) -> str:
-    g = _resolve(group)
+    g = resolve(group)
     d = _desc_cache.get(g)
     if d is None:
         d = _desc_cache[g] = _describe(g)
@@ -71,18 +79,18 @@ def _describe(g: Any) -> str:
 
 def group_hosts(group: Any) -> list[str]:
     """Host identity of every rank of the group (a collective the first time per group; cached)."""
-    g = _resolve(group)
-    key = group_key(g)
-    if key not in _hosts_cache:
+    g = resolve(group)
+    hosts = _hosts_cache.get(g)
+    if hosts is None:
         out: list[Any] = [None] * dist.get_world_size(g)
         dist.all_gather_object(out, host_id(), group=g)
-        _hosts_cache[key] = [str(h) for h in out]
-    return _hosts_cache[key]
+        hosts = _hosts_cache[g] = [str(h) for h in out]
+    return hosts
 
 
 def group_timeout(group: Any) -> float:
     """The process group's timeout in seconds (torch's default if it cannot be read)."""
-    g = _resolve(group)
+    g = resolve(group)
     t = _timeout_cache.get(g)
     if t is None:
         t = _timeout_cache[g] = _read_timeout(g)
