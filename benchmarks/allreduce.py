@@ -19,12 +19,13 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--sizes", default=",".join(str(s) for s in allreduce.DEFAULT_SIZES))
     p.add_argument("--implementations", default=",".join(allreduce.DEFAULT_IMPLEMENTATIONS))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     p.add_argument("--json")
     p.add_argument("--plot")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args()
     r = allreduce.run(nproc=a.nproc, sizes=[int(s) for s in a.sizes.split(",")],
-                      implementations=a.implementations.split(","))
+                      implementations=a.implementations.split(","), rounds=a.rounds)
     r.print()
     if a.markdown:
         print(r.markdown())

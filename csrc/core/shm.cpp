@@ -32,6 +32,8 @@ namespace {
 
 constexpr uint64_t kMagic = 0x7473747261747368ULL;  // "tsstrash"
 constexpr size_t kAlign = 4096;
+// Block of the reduce-then-publish loop: small enough to stay in L1 between the reduce and the copy.
+constexpr size_t kReduceBlockBytes = 16 * 1024;
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -352,12 +354,19 @@ void Comm::all_reduce(char* data, int64_t count, const Reducer& r, double timeou
     }
     sync(code, static_cast<uint64_t>(count), static_cast<uint64_t>(off), timeout_s, "all_reduce");
     slice_of(c, es, world_, rank_, &lo, &hi);
-    if (hi > lo) {
-      for (int j = 0; j < world_; ++j) ins[j] = j == rank_ ? data + (off + lo) * es : slot(j, b) + lo * es;
-      r.reduce(slot(rank_, b) + lo * es, ins.data(), world_, hi - lo);
+    // Reduce this rank's slice in place, block by block, and publish each block to our slot while it is
+    // still in L1: the caller's tensor gets its own slice without a second pass over the slot.
+    const int64_t block = std::max<int64_t>(1, static_cast<int64_t>(kReduceBlockBytes / es));
+    for (int64_t a = lo; a < hi; a += block) {
+      const int64_t n = std::min(block, hi - a);
+      char* mine = data + (off + a) * es;
+      for (int j = 0; j < world_; ++j) ins[j] = j == rank_ ? mine : slot(j, b) + a * es;
+      r.reduce(mine, ins.data(), world_, n);
+      std::memcpy(slot(rank_, b) + a * es, mine, static_cast<size_t>(n) * es);
     }
     sync(code, static_cast<uint64_t>(count), static_cast<uint64_t>(off), timeout_s, "all_reduce");
     for (int j = 0; j < world_; ++j) {
+      if (j == rank_) continue;
       slice_of(c, es, world_, j, &lo, &hi);
       if (hi > lo) std::memcpy(data + (off + lo) * es, slot(j, b) + lo * es, (hi - lo) * es);
     }

@@ -30,7 +30,7 @@ def _size(n: int) -> str:
 
 def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         implementations: Sequence[str] = DEFAULT_IMPLEMENTATIONS, progress: bool = True,
-        timeout: float = 1200.0) -> BenchResult:
+        timeout: float = 1200.0, rounds: int = 3) -> BenchResult:
     """Launches ``torchrun --standalone --nproc_per_node nproc`` on the worker and tabulates its timings.
 
     Args:
@@ -39,12 +39,16 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         implementations: any of gloo, shm, shm-comm, shm-zero-copy, ring, tree, auto.
         progress: show a progress bar (rank 0's, on stderr).
         timeout: seconds before the launch is killed.
+        rounds: every case is timed once per round, the cases interleaved; the median over rounds is
+            reported (a burst of load from other jobs then hits one round of every row, not one row).
 
     Returns:
         BenchResult with one row per (size, implementation) and the packed case in ``meta``/``notes``.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     bad = [i for i in implementations if i not in DEFAULT_IMPLEMENTATIONS + ["auto"]]
     if bad:
         raise ValueError(f"unknown implementations {bad}; choose from {DEFAULT_IMPLEMENTATIONS + ['auto']}")
@@ -60,7 +64,8 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         out = os.path.join(tmp, "allreduce.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "torchstrategies.bench.allreduce_worker", "--json", out,
-               "--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls)]
+               "--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls),
+               "--rounds", str(rounds)]
         if progress:
             cmd.append("--progress")
         proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=subprocess.PIPE, text=True)
@@ -92,7 +97,8 @@ def _table(data: dict, nproc: int) -> BenchResult:
         f"packed: 100 x 10k-float all-reduce: 100 separate gloo calls {p['gloo-100-calls'] * 1e3:.2f} ms; "
         f"packed SHM {p['shm'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['shm']:.1f}x); "
         f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)",
-        "busbw = algbw * 2(n-1)/n; time = the slowest rank's median; shm-zero-copy reduces a "
+        f"busbw = algbw * 2(n-1)/n; time = the slowest rank's median per round, median of "
+        f"{data.get('rounds', 1)} interleaved rounds; shm-zero-copy reduces a "
         "collectives.buffer() tensor in place; shm-comm skips the Python API layer.",
     ]
     if "load" in data:

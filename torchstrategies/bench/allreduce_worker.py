@@ -3,7 +3,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 \
         -m torchstrategies.bench.allreduce_worker --json out.json
 
-Every rank times the same calls back to back; the time of a call is the slowest rank's median.
+Every rank times the same calls back to back; the time of a call is the slowest rank's median. With
+``--rounds R`` every case is timed once per round, the cases interleaved, and the median over the rounds
+is reported: a burst of load from other jobs then hits one round of every row, not one row.
 Rows: one per (size, implementation); "shm-zero-copy" reduces a buffer that already lives in the
 shared segment (``collectives.buffer``); "shm-comm" calls the communicator without the Python API
 layer. Plus the packed case: 100 tensors of 10k floats in one packed all-reduce vs 100 gloo calls.
@@ -31,8 +33,20 @@ def _iters(nbytes: int) -> int:
     return int(min(300, max(5, 2e8 // max(nbytes, 1) // 4)))
 
 
+WARMUP_S = 0.05  # warm-up per case: long enough for the scheduler to settle the ranks after the last case
+
+
 def _time(fn, iters: int) -> float:
-    for _ in range(max(2, iters // 10)):
+    # Warm up for at least 10 calls and about WARMUP_S seconds, the same for every implementation: right after
+    # another case (gloo's threads, a large message) both ranks can share one core for a while. The calls are
+    # collectives, so the ranks agree on the count (the largest any rank needs).
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    per_call = (time.perf_counter() - t0) / 3
+    need = torch.tensor([max(10, int(WARMUP_S / max(per_call, 1e-7)))], dtype=torch.int64)
+    dist.all_reduce(need, op=dist.ReduceOp.MAX)
+    for _ in range(min(int(need.item()), 100_000)):
         fn()
     dist.barrier()
     ts = []
@@ -44,6 +58,12 @@ def _time(fn, iters: int) -> float:
     med = torch.tensor([ts[len(ts) // 2]], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return float(med.item())
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
 def _call(impl: str, t: torch.Tensor):
@@ -62,6 +82,7 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--sizes", default="4096,65536,1048576,16777216,67108864")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--progress", action="store_true")
     a = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -69,33 +90,42 @@ def main() -> None:
     sizes = [int(s) for s in a.sizes.split(",") if s]
     impls = [s for s in a.impls.split(",") if s]
     cases = [(s, i) for s in sizes for i in impls]
+    rounds = max(1, a.rounds)
     bar = None
     if a.progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cases) + 1, desc="allreduce bench", file=__import__("sys").stderr)
-    rows = []
+        bar = tqdm(total=rounds * (len(cases) + 1), desc="allreduce bench", file=__import__("sys").stderr)
+    # One tensor per case for every round (zero-copy buffers are not reclaimed one by one).
+    tensors = {}
     for nbytes, impl in cases:
         n = nbytes // 4
-        t = C.buffer(n, torch.float32) if impl == "shm-zero-copy" else torch.zeros(n)
-        t.fill_(1.0)
-        sec = _time(_call(impl, t), _iters(nbytes))
-        rows.append({"size": nbytes, "implementation": impl, "seconds": sec})
+        tensors[(nbytes, impl)] = C.buffer(n, torch.float32) if impl == "shm-zero-copy" else torch.zeros(n)
+    per_case: dict = {c: [] for c in cases}
+    grads = [torch.ones(10_000) for _ in range(100)]
+    packed_rounds: dict = {"gloo-100-calls": [], "shm": [], "gloo": []}
+    for _ in range(rounds):
+        for nbytes, impl in cases:
+            t = tensors[(nbytes, impl)]
+            t.fill_(1.0)
+            per_case[(nbytes, impl)].append(_time(_call(impl, t), _iters(nbytes)))
+            if bar:
+                bar.update(1)
+        # Packed: 100 x 10k floats.
+        packed_rounds["gloo-100-calls"].append(_time(lambda: [dist.all_reduce(g) for g in grads], 20))
+        for impl in ("SHM", "GLOO"):
+            opts = C.CommunicationOptions(implementation=impl, timeout_seconds=300)
+            packed_rounds[impl.lower()].append(_time(lambda: C.all_reduce_(grads, options=opts), 20))
         if bar:
             bar.update(1)
-    # Packed: 100 x 10k floats.
-    grads = [torch.ones(10_000) for _ in range(100)]
-    separate = _time(lambda: [dist.all_reduce(g) for g in grads], 20)
-    packed = {}
-    for impl in ("SHM", "GLOO"):
-        opts = C.CommunicationOptions(implementation=impl, timeout_seconds=300)
-        packed[impl.lower()] = _time(lambda: C.all_reduce_(grads, options=opts), 20)
     if bar:
-        bar.update(1)
         bar.close()
+    rows = [{"size": nbytes, "implementation": impl, "seconds": _median(per_case[(nbytes, impl)]),
+             "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
+    packed = {k: _median(v) for k, v in packed_rounds.items()}
     if rank == 0:
         with open(a.json, "w") as f:
-            json.dump({"world": world, "rows": rows, "packed": {"gloo-100-calls": separate, **packed},
+            json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()
     dist.destroy_process_group()
