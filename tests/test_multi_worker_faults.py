@@ -57,4 +57,4 @@ def test_a_hung_worker_raises_deadline_exceeded_naming_it():
                         expect_failure=[1])
     kind, message, step = results[0]
     assert kind == "DeadlineExceededError", (kind, message)
-    assert "[1]" in message and "3.0s" in message, message
+    assert "ranks [1] did not arrive within 3 s" in message, message  # names the hung rank and the timeout

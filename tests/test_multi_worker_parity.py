@@ -108,10 +108,14 @@ def _four_worker_body(rank, world):
 
     out = {"1x4": _train_ours(rank, world, "AUTO", 256, seed=rank)}  # several buckets
     os.environ["TORCHSTRATEGIES_HOST_ID"] = f"host{rank // 2}"  # now 2 simulated hosts x 2 ranks
-    out["2x2"] = _train_ours(rank, world, "AUTO", 256, seed=rank)
-    from torchstrategies.strategies._shm_buckets import single_host
+    from torchstrategies.collectives import topology
 
-    out["single_host_seen"] = single_host()
+    topology.clear_caches()  # host identity is read once per group; a real process never changes host
+    out["2x2"] = _train_ours(rank, world, "AUTO", 256, seed=rank)
+    out["single_host_seen"] = len(set(topology.group_hosts(None))) == 1
+    from torchstrategies.collectives import hierarchical
+
+    out["hierarchical_layouts"] = len(hierarchical._layouts)  # AUTO across hosts went hierarchical
     return out
 
 
@@ -121,6 +125,7 @@ def test_four_workers_on_two_simulated_hosts_train_like_one_host_and_one_process
     ref = reference_params(init_seed=0)
     for rank, res in enumerate(results):
         assert res["single_host_seen"] is False  # the strategy saw two hosts
+        assert res["hierarchical_layouts"] == 1
         for key in ("1x4", "2x2"):
             assert_params_close(res[key], ref, what=f"{key} rank {rank} of 4")
             for p, q in zip(res[key], results[0][key]):

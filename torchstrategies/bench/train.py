@@ -149,15 +149,6 @@ register_runner("mwms-default", _mwms(None))
 for _impl in _implementations():
     register_runner(f"mwms-{_impl}", _mwms(_impl), default=False)
 register_runner("no-comm", _mwms(None, no_comm=True))
-# Variants of the shared-memory bucket reducer, for tuning (not in the default table).
-for _name, _env in {
-    "spin-rsag": {"TORCHSTRATEGIES_SHM_WAIT": "spin", "TORCHSTRATEGIES_SHM_ALGO": "rsag"},
-    "block-rsag": {"TORCHSTRATEGIES_SHM_WAIT": "block", "TORCHSTRATEGIES_SHM_ALGO": "rsag"},
-    "spin-sw": {"TORCHSTRATEGIES_SHM_WAIT": "spin", "TORCHSTRATEGIES_SHM_ALGO": "scatter_write"},
-    "block-sw": {"TORCHSTRATEGIES_SHM_WAIT": "block", "TORCHSTRATEGIES_SHM_ALGO": "scatter_write"},
-}.items():
-    register_runner(f"mwms-{_name}", _mwms(None, env=_env), default=False)
-
 
 # --- the torchrun worker ------------------------------------------------------------------------------------
 def _worker(args: dict[str, Any]) -> None:

@@ -256,9 +256,10 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
             _fast_refs.clear()
         _fast_ids[ikey] = plan
         _fast_refs[ikey] = (options, op)
-    impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref = plan
-    if wref() is None or (gref is not None and gref() is not group):
-        _fast_ids.pop(ikey, None)  # made for a process group that has since been destroyed
+    impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref, gen = plan
+    if wref() is None or (gref is not None and gref() is not group) or gen != topology._generation[0]:
+        # made for a process group that has since been destroyed, or before topology.clear_caches()
+        _fast_ids.pop(ikey, None)
         _plans.pop((None if group is None else id(group), options, op, t.dtype, small), None)
         return False
     if options is not None and (options.bytes_per_pack, options.timeout_seconds, options.implementation) != snapshot:
@@ -294,7 +295,7 @@ def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOption
     wref = weakref.ref(topology.resolve(group))
     try:
         _plans[(None if group is None else id(group), options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
-            impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref)
+            impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref, topology.generation())
     except TypeError:  # unhashable options object, or a group that takes no weak reference: no caching
         pass
 

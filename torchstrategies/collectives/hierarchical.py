@@ -46,7 +46,8 @@ class Layout:
 
 # The layout of the current world group, keyed by it weakly: destroying the world (and re-initializing)
 # drops the layout and its per-host groups instead of keeping dead process groups alive.
-_layouts: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
+# The value is (topology generation, layout): topology.clear_caches() (new host identities) drops it too.
+_layouts: weakref.WeakKeyDictionary[Any, tuple[int, Layout]] = weakref.WeakKeyDictionary()
 # Between host leaders: the native (gloo) all-reduce, which beat our RING at every size in the benchmark
 # (docs/collectives.md); set LEADER_ALL_REDUCE[0] = ring.all_reduce_ to use the ring instead.
 LEADER_ALL_REDUCE = [native.all_reduce_]
@@ -54,10 +55,10 @@ LEADER_ALL_REDUCE = [native.all_reduce_]
 
 def layout() -> Layout:
     world = dist.group.WORLD
-    lay = _layouts.get(world)
-    if lay is None:
-        lay = _layouts[world] = Layout()
-    return lay
+    entry = _layouts.get(world)
+    if entry is None or entry[0] != topology.generation():
+        entry = _layouts[world] = (topology.generation(), Layout())
+    return entry[1]
 
 
 def all_reduce_(t: torch.Tensor, op: ReduceOp, group: Any, timeout: float) -> torch.Tensor:

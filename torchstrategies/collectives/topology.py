@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["host_id", "resolve", "group_ranks", "group_hosts", "describe_group", "group_timeout", "group_key"]
+__all__ = ["host_id", "resolve", "clear_caches", "generation", "group_ranks", "group_hosts", "describe_group", "group_timeout", "group_key"]
 
 # Per group object (held weakly): hosts, global ranks, description and timeout never change for a group,
 # and the hot path asks often.
@@ -57,10 +57,23 @@ def group_key(group: Any) -> tuple[int, ...]:
     return tuple(group_ranks(group))
 
 
+# Bumped by clear_caches: what other modules derived from these facts (the API's cached plans, the
+# hierarchical layout) records the generation it was made in and is dropped when it changes.
+_generation = [0]
+
+
+def generation() -> int:
+    """The number of clear_caches calls so far (see ``_generation``)."""
+    return _generation[0]
+
+
 def clear_caches() -> None:
-    """Forgets every cached group fact (entries of a destroyed group also go by themselves)."""
+    """Forgets every cached group fact, and every choice made from them (entries of a destroyed group also
+    go by themselves). Host identity is read once per group: call this after changing
+    TORCHSTRATEGIES_HOST_ID in a running process (tests that simulate hosts do)."""
     for c in (_hosts_cache, _ranks_cache, _desc_cache, _timeout_cache):
         c.clear()
+    _generation[0] += 1
 
 
 def describe_group(group: Any) -> str:

@@ -146,32 +146,14 @@ def timeout_of(options: Any) -> datetime.timedelta | None:
     return None if t is None else datetime.timedelta(seconds=float(t))
 
 
-def _own_shm(options: Any, group: Any) -> Transport | None:
-    from torchstrategies.strategies._shm_buckets import ShmBucketTransport, single_host
-
-    if dist.get_world_size(group) < 2 or not single_host(group):
-        return None
-    t = getattr(options, "timeout_seconds", None)
-    if t is None:
-        t = dist.distributed_c10d.default_pg_timeout.total_seconds()
-    return ShmBucketTransport(group, timeout=float(t), fallback=TorchDistTransport(group))
-
-
 def make_transport(options: Any, group: Any = None, device: torch.device | None = None) -> Transport:
     """The transport for ``options.implementation`` (a priority list, first match wins):
 
     1. GLOO / NCCL -> torch.distributed's own all-reduce;
-    2. AUTO, CPU device, every rank on one host -> our zero-copy shared-memory bucket reducer
-       (``_shm_buckets``; the fastest on the training benchmark, see docs/multi_worker.md);
-    3. anything else (SHM, RING, TREE, HIERARCHICAL, AUTO across hosts or on CUDA) ->
-       ``torchstrategies.collectives`` with that implementation;
+    2. anything else (AUTO, SHM, RING, TREE, HIERARCHICAL) -> ``torchstrategies.collectives`` with that
+       implementation. AUTO resolves there by its table: SHM on one host (bucket buffers live in the shared
+       segment: the zero-copy path), HIERARCHICAL across hosts, NCCL for CUDA tensors.
     """
-    name = _impl_name(options)
-    cpu = device is None or device.type == "cpu"
-    if name in ("GLOO", "NCCL"):
+    if _impl_name(options) in ("GLOO", "NCCL"):
         return TorchDistTransport(group)
-    if name == "AUTO" and cpu:
-        own = _own_shm(options, group)
-        if own is not None:
-            return own
     return CollectivesTransport(group, options)
