@@ -218,6 +218,53 @@ def debug_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
+def shm_many(rank: int, world: int) -> list[str]:
+    """SHM reduces a list in place as one concatenated buffer (no packing): pieces of every size (0 too)
+    under the one-shot limit, across it, and across the staging-slot chunk boundaries; against gloo."""
+    from torchstrategies import collectives as C
+    from torchstrategies.collectives import CommunicationOptions, shm
+
+    opts = CommunicationOptions(implementation="SHM", timeout_seconds=60)
+    per_slot = shm.get_communicator(None, 60.0)._c.slot_bytes // 8  # float64 elements per chunk
+    cases = [
+        [0, 1, 7, 0, 4097],                                    # 16 KiB in all: the one-shot path
+        [1000, 0, 20000, 3, 50001],                            # chunked, one chunk, pieces split by slices
+        [per_slot - 5, 11, 0, per_slot + 7, 3],                # pieces straddle chunk and slice boundaries
+    ]
+    fails = []
+    for k, sizes in enumerate(cases):
+        for dname, op in (("float64", "SUM"), ("float32", "MEAN"), ("int64", "MAX"), ("bfloat16", "MIN")):
+            dtype = DTYPES[dname]
+            xs = [make(rank, n, dtype, 50 + 10 * k + i) for i, n in enumerate(sizes)]
+            ys = [x.clone() for x in xs]
+            C.all_reduce_(ys, op=op, options=opts)
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                ref = reference(x, op, world)
+                atol, rtol = tol(dtype, world)
+                if not torch.allclose(y.to(ref.dtype), ref.to(dtype).to(ref.dtype), atol=atol, rtol=rtol):
+                    fails.append(f"many case {k} {dname} {op} piece {i} (n={sizes[i]}): wrong values")
+            flat = torch.cat([y.reshape(-1) for y in ys]).view(torch.uint8) if sum(sizes) else torch.empty(0)
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            if any(not torch.equal(g, flat) for g in gathered):
+                fails.append(f"many case {k} {dname} {op}: ranks disagree")
+    return fails
+
+
+def shm_many_mismatch(rank: int, world: int) -> str:
+    """Lists of the same total size but different pieces on different ranks: an error, not a silent pairing."""
+    from torchstrategies.collectives import shm
+    from torchstrategies.reduce_op import ReduceOp
+
+    comm = shm.get_communicator(None, 30.0)
+    parts = [torch.ones(6)] if rank == 0 else [torch.ones(2), torch.ones(4)]
+    try:
+        comm.all_reduce_many_(parts, ReduceOp.SUM, 30.0)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def shm_mismatch(rank: int, world: int) -> str:
     from torchstrategies import collectives as C
 
@@ -318,10 +365,15 @@ def suite2(rank: int, world: int, matrix_args: tuple, store_path: str = "") -> d
         out["debug"] = debug_mismatch(rank, world)
     finally:
         del os.environ["TORCHSTRATEGIES_DEBUG"]
+    out["many"] = shm_many(rank, world)
     if store_path:  # destroys the world group and makes a new one (the checks below run on it)
         out["lifetime"] = group_lifetime(rank, world, store_path)
     out["shm_mismatch"] = shm_mismatch(rank, world)  # last: a mismatch retires the SHM communicator
     return out
+
+
+def many_and_mismatch(rank: int, world: int) -> dict:
+    return {"many": shm_many(rank, world), "mismatch": shm_many_mismatch(rank, world)}
 
 
 def absent_peer_both(rank: int, world: int) -> dict:

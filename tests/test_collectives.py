@@ -68,6 +68,18 @@ def test_cached_fast_path_gives_fresh_results_and_follows_mutated_options(world2
         assert fp["after"] == 3.0
 
 
+def test_shm_reduces_a_list_in_place_as_one_buffer_across_every_boundary(world2):
+    _ok([r["many"] for r in world2])
+
+
+@pytest.mark.timeout(120)
+def test_shm_list_on_three_ranks_and_mismatched_lists_raise():
+    res = run_ranks(B.many_and_mismatch, 3, timeout=110)
+    _ok([r["many"] for r in res])
+    for r in res:
+        assert "mismatched calls" in r["mismatch"], r["mismatch"]
+
+
 def test_destroy_process_group_frees_the_group_and_a_new_group_gets_working_shm(world2):
     for r in world2:
         assert r["lifetime"] == {"freed": True, "after": 6.0}  # (1 + 2) after one SUM, 6 after the second

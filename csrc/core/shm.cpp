@@ -316,59 +316,110 @@ void Comm::barrier(double timeout_s) {
 
 void Comm::all_reduce(char* data, int64_t count, const Reducer& r, double timeout_s) {
   check_usable();
-  const uint64_t code = (1ULL << 32) | r.code;
-  const size_t es = r.esize;
-  const size_t nbytes = static_cast<size_t>(count) * es;
-  if (world_ == 1) {
-    const void* in[1] = {data};
-    if (count > 0) r.reduce(data, in, 1, count);  // applies MEAN's scale (1) and nothing else
-    return;
-  }
-  for (const Buffer& b : buffers_) {
-    const char* base = b.seg->data() + static_cast<size_t>(rank_) * b.stride;
-    // Small messages are cheaper through the one-shot path (1 barrier instead of 3).
-    if (nbytes > one_shot_bytes && data >= base && data + nbytes <= base + b.stride) {
-      zero_copy_all_reduce(data, count, r, b, timeout_s);
-      return;
+  const size_t nbytes = static_cast<size_t>(count) * r.esize;
+  if (world_ > 1) {
+    for (const Buffer& b : buffers_) {
+      const char* base = b.seg->data() + static_cast<size_t>(rank_) * b.stride;
+      // Small messages are cheaper through the one-shot path (1 barrier instead of 3).
+      if (nbytes > one_shot_bytes && data >= base && data + nbytes <= base + b.stride) {
+        zero_copy_all_reduce(data, count, r, b, timeout_s);
+        return;
+      }
     }
   }
+  all_reduce_many({Piece{data, count}}, r, timeout_s);
+}
+
+namespace {
+
+// Calls fn(ptr, v, n) for each contiguous part of the virtual element range [lo, hi) of the concatenation
+// of `pieces` (starts[i] = index of pieces[i]'s first element): ptr is element v, n elements follow it.
+template <typename F>
+void for_range(const std::vector<Piece>& pieces, const std::vector<int64_t>& starts, size_t es, int64_t lo,
+               int64_t hi, F&& fn) {
+  if (hi <= lo) return;
+  size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin()) - 1;
+  for (int64_t v = lo; v < hi; ++i) {
+    const int64_t end = starts[i] + pieces[i].count;
+    if (end <= v) continue;  // an empty piece
+    const int64_t n = std::min(hi, end) - v;
+    fn(pieces[i].data + static_cast<size_t>(v - starts[i]) * es, v, n);
+    v += n;
+  }
+}
+
+}  // namespace
+
+void Comm::all_reduce_many(const std::vector<Piece>& pieces, const Reducer& r, double timeout_s) {
+  check_usable();
+  const uint64_t code = (1ULL << 32) | r.code;
+  const size_t es = r.esize;
+  std::vector<int64_t> starts(pieces.size());
+  int64_t count = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    starts[i] = count;
+    count += pieces[i].count;
+  }
+  const size_t nbytes = static_cast<size_t>(count) * es;
+  if (world_ == 1) {
+    for (const Piece& p : pieces) {
+      const void* in[1] = {p.data};
+      if (p.count > 0) r.reduce(p.data, in, 1, p.count);  // applies MEAN's scale (1) and nothing else
+    }
+    return;
+  }
+  // The descriptor's third word also carries the number of pieces, so ranks that pass different lists of
+  // the same total size get a mismatch error instead of silently pairing different tensors.
+  const uint64_t npieces = static_cast<uint64_t>(pieces.size()) << 40;
   std::vector<const void*> ins(world_);
   if (nbytes <= one_shot_bytes && nbytes <= slot_bytes_) {
     const int b = static_cast<int>(round_++ & 1);
-    std::memcpy(slot(rank_, b), data, nbytes);
-    sync(code, static_cast<uint64_t>(count), 0, timeout_s, "all_reduce");
-    for (int j = 0; j < world_; ++j) ins[j] = slot(j, b);
-    if (count > 0) r.reduce(data, ins.data(), world_, count);
+    for_range(pieces, starts, es, 0, count, [&](char* p, int64_t v, int64_t n) {
+      std::memcpy(slot(rank_, b) + v * es, p, static_cast<size_t>(n) * es);
+    });
+    sync(code, static_cast<uint64_t>(count), npieces, timeout_s, "all_reduce");
+    for_range(pieces, starts, es, 0, count, [&](char* p, int64_t v, int64_t n) {
+      for (int j = 0; j < world_; ++j) ins[j] = slot(j, b) + v * es;
+      r.reduce(p, ins.data(), world_, n);
+    });
     return;
   }
   const int64_t chunk = static_cast<int64_t>(slot_bytes_ / es);
+  const int64_t block = std::max<int64_t>(1, static_cast<int64_t>(kReduceBlockBytes / es));
   for (int64_t off = 0; off < count; off += chunk) {
     const int64_t c = std::min(chunk, count - off);
     const int b = static_cast<int>(round_++ & 1);
+    const uint64_t extra = npieces | static_cast<uint64_t>(off);
+    auto at = [&](int j, int64_t v) { return slot(j, b) + static_cast<size_t>(v - off) * es; };
     int64_t lo, hi;
-    // Copy in only the slices the peers reduce; this rank's own slice is read straight from `data`.
+    // Copy in only the slices the peers reduce; this rank's own slice is read straight from the pieces.
     for (int j = 0; j < world_; ++j) {
       if (j == rank_) continue;
       slice_of(c, es, world_, j, &lo, &hi);
-      if (hi > lo) std::memcpy(slot(rank_, b) + lo * es, data + (off + lo) * es, (hi - lo) * es);
+      for_range(pieces, starts, es, off + lo, off + hi, [&](char* p, int64_t v, int64_t n) {
+        std::memcpy(at(rank_, v), p, static_cast<size_t>(n) * es);
+      });
     }
-    sync(code, static_cast<uint64_t>(count), static_cast<uint64_t>(off), timeout_s, "all_reduce");
-    slice_of(c, es, world_, rank_, &lo, &hi);
+    sync(code, static_cast<uint64_t>(count), extra, timeout_s, "all_reduce");
     // Reduce this rank's slice in place, block by block, and publish each block to our slot while it is
-    // still in L1: the caller's tensor gets its own slice without a second pass over the slot.
-    const int64_t block = std::max<int64_t>(1, static_cast<int64_t>(kReduceBlockBytes / es));
-    for (int64_t a = lo; a < hi; a += block) {
-      const int64_t n = std::min(block, hi - a);
-      char* mine = data + (off + a) * es;
-      for (int j = 0; j < world_; ++j) ins[j] = j == rank_ ? mine : slot(j, b) + a * es;
-      r.reduce(mine, ins.data(), world_, n);
-      std::memcpy(slot(rank_, b) + a * es, mine, static_cast<size_t>(n) * es);
-    }
-    sync(code, static_cast<uint64_t>(count), static_cast<uint64_t>(off), timeout_s, "all_reduce");
+    // still in L1: the caller's tensors get their own slice without a second pass over the slot.
+    slice_of(c, es, world_, rank_, &lo, &hi);
+    for_range(pieces, starts, es, off + lo, off + hi, [&](char* p, int64_t v, int64_t n) {
+      for (int64_t a = 0; a < n; a += block) {
+        const int64_t m = std::min(block, n - a);
+        char* mine = p + static_cast<size_t>(a) * es;
+        for (int j = 0; j < world_; ++j) ins[j] = j == rank_ ? mine : at(j, v + a);
+        r.reduce(mine, ins.data(), world_, m);
+        std::memcpy(at(rank_, v + a), mine, static_cast<size_t>(m) * es);
+      }
+    });
+    sync(code, static_cast<uint64_t>(count), extra, timeout_s, "all_reduce");
     for (int j = 0; j < world_; ++j) {
       if (j == rank_) continue;
       slice_of(c, es, world_, j, &lo, &hi);
-      if (hi > lo) std::memcpy(data + (off + lo) * es, slot(j, b) + lo * es, (hi - lo) * es);
+      for_range(pieces, starts, es, off + lo, off + hi, [&](char* p, int64_t v, int64_t n) {
+        std::memcpy(p, at(j, v), static_cast<size_t>(n) * es);
+      });
     }
   }
 }

@@ -92,6 +92,12 @@ struct Reducer {
   uint64_t code = 0;  // op and dtype, compared across ranks
 };
 
+// One tensor's storage in a multi-tensor all-reduce: `count` elements at `data`.
+struct Piece {
+  char* data;
+  int64_t count;
+};
+
 class Comm {
  public:
   // Rank 0 creates the segment (create=true), the others open it by name.
@@ -102,6 +108,9 @@ class Comm {
   void attach(double timeout_s);
 
   void all_reduce(char* data, int64_t count, const Reducer& r, double timeout_s);
+  // All-reduces several buffers of one dtype in place, as if they were one concatenated buffer (no packing:
+  // each rank reads its own slice straight from the pieces and copies in only what the peers reduce).
+  void all_reduce_many(const std::vector<Piece>& pieces, const Reducer& r, double timeout_s);
   void broadcast(char* data, size_t nbytes, int root, double timeout_s);
   void all_gather(const char* in, size_t nbytes, char* out, double timeout_s);
   void barrier(double timeout_s);

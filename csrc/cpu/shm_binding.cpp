@@ -131,6 +131,22 @@ class PyComm {
     guarded([&] { comm_->all_reduce(p, n, r, timeout); });
   }
 
+  // Several tensors of one dtype reduced in place as one concatenated buffer (no packing).
+  void all_reduce_many_(std::vector<at::Tensor>& ts, int op, double timeout) {
+    TORCH_CHECK(!ts.empty(), "all_reduce_many_: expected at least one tensor");
+    const at::ScalarType dt = ts[0].scalar_type();
+    std::vector<core::shm::Piece> pieces;
+    pieces.reserve(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      check_tensor("all_reduce_many_", ts[i]);
+      TORCH_CHECK(ts[i].scalar_type() == dt, "all_reduce_many_: every tensor must have dtype ", dt,
+                  ", tensors[", i, "] has ", ts[i].scalar_type());
+      pieces.push_back({static_cast<char*>(ts[i].data_ptr()), ts[i].numel()});
+    }
+    const Reducer& r = reducer(dt, op);
+    guarded([&] { comm_->all_reduce_many(pieces, r, timeout); });
+  }
+
   void broadcast_(at::Tensor& t, int root, double timeout) {
     check_tensor("broadcast", t);
     char* p = static_cast<char*>(t.data_ptr());
@@ -260,6 +276,7 @@ void init_shm_bindings(py::module_& m) {
       .def("attach", &PyComm::attach, py::arg("timeout"))
       .def("barrier", &PyComm::barrier, py::arg("timeout"))
       .def("all_reduce_", &PyComm::all_reduce_, py::arg("tensor"), py::arg("op"), py::arg("timeout"))
+      .def("all_reduce_many_", &PyComm::all_reduce_many_, py::arg("tensors"), py::arg("op"), py::arg("timeout"))
       .def("broadcast_", &PyComm::broadcast_, py::arg("tensor"), py::arg("root"), py::arg("timeout"))
       .def("all_gather", &PyComm::all_gather, py::arg("input"), py::arg("output"), py::arg("timeout"))
       .def("alloc_buffer", &PyComm::alloc_buffer, py::arg("numel"), py::arg("like"), py::arg("timeout"))

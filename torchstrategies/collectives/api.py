@@ -133,22 +133,6 @@ def _run_flat(impl: Impl, flat: torch.Tensor, op: ReduceOp, group: Any, timeout:
         flat.div_(world)
 
 
-def _shm_scratch(group: Any, timeout: float) -> Any:
-    comm = shm.get_communicator(group, timeout)
-    cache: dict[torch.dtype, torch.Tensor] = comm.__dict__.setdefault("_scratch", {})
-
-    def alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = cache.get(dtype)
-        if buf is None or buf.numel() < numel:
-            size = max(numel, 1 << 16)
-            size = 1 << (size - 1).bit_length()
-            buf = comm.buffer(size, dtype, timeout)
-            cache[dtype] = buf
-        return buf[:numel]
-
-    return alloc
-
-
 def _reduce(items: list[torch.Tensor], op: ReduceOp, group: Any, options: CommunicationOptions,
             inplace: bool, impl: Impl, timeout: float) -> list[torch.Tensor]:
     world = dist.get_world_size(group)
@@ -157,7 +141,9 @@ def _reduce(items: list[torch.Tensor], op: ReduceOp, group: Any, options: Commun
         if not inplace:
             results = [t.clone() for t in items]
         return results
-    comm = shm.get_communicator(group, timeout) if impl is Impl.SHM else None
+    if impl is Impl.SHM:
+        _reduce_shm(items, results, op, group, inplace, timeout)
+        return results
     for pack in make_packs(items, options.bytes_per_pack):
         t0 = items[pack.indices[0]]
         if len(pack.indices) == 1 and t0.is_contiguous():
@@ -166,15 +152,44 @@ def _reduce(items: list[torch.Tensor], op: ReduceOp, group: Any, options: Commun
             if not inplace:
                 results[pack.indices[0]] = flat.view(t0.shape)
             continue
-        scratch = comm is not None and pack.numel > 0
-        flat = pack.fill(items, _shm_scratch(group, timeout) if scratch else None)
+        flat = pack.fill(items, None)
         _run_flat(impl, flat, op, group, timeout, world)
         if inplace:
             pack.copy_back(items)
         else:
             for i, v in pack.views(items):
-                results[i] = v.clone() if scratch else v
+                results[i] = v
     return results
+
+
+def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: ReduceOp, group: Any, inplace: bool,
+                timeout: float) -> None:
+    """SHM takes a list as it is: one in-place call per dtype over the tensors in list order, no packing.
+
+    Every tensor of a dtype joins that dtype's call, whatever its layout (a non-contiguous one through a
+    contiguous copy, copied back), so the calls are the same on every rank.
+    """
+    comm = shm.get_communicator(group, timeout)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(items):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idxs in by_dtype.values():
+        work = []
+        for i in idxs:
+            t = items[i]
+            if not inplace:
+                w = results[i] = t.clone(memory_format=torch.contiguous_format)
+            else:
+                w = t if t.is_contiguous() else t.contiguous()
+            work.append(w)
+        if len(work) == 1:
+            comm.all_reduce_(work[0], op, timeout)  # zero-copy if it lies in a collectives.buffer()
+        else:
+            comm.all_reduce_many_(work, op, timeout)  # MEAN is scaled in C++
+        if inplace:
+            for i, w in zip(idxs, work):
+                if w is not items[i]:
+                    items[i].copy_(w)
 
 
 def _prepare(what: str, tensors: TensorOrList, op: Any, group: Any, options: CommunicationOptions | None):

@@ -3,7 +3,8 @@
 One segment per group, created by the group's rank 0 under a unique name ("/torchstrat_<pid>_<hex>")
 passed to the others through the c10d store, and unlinked as soon as every rank has mapped it, so
 nothing is left in /dev/shm even if a rank dies. Small messages take a one-shot path (every rank sums
-all peers' copies, one barrier); large ones a chunked reduce-scatter + all-gather. A tensor allocated
+all peers' copies, one barrier); large ones a chunked reduce-scatter + all-gather. A list of tensors of one
+dtype is reduced in place as one concatenated buffer, without packing (``all_reduce_many_``). A tensor allocated
 with ``ShmCommunicator.buffer`` lives in shared memory and is reduced in place without a copy in
 (the zero-copy path used for gradient buckets).
 """
@@ -94,6 +95,11 @@ class ShmCommunicator:
         """Reduces a contiguous CPU tensor in place (zero-copy if it came from ``buffer``)."""
         self._call("all_reduce", timeout, self._c.all_reduce_, t, _OPS[op], timeout)
         return t
+
+    def all_reduce_many_(self, ts: list[torch.Tensor], op: ReduceOp, timeout: float) -> list[torch.Tensor]:
+        """Reduces contiguous CPU tensors of one dtype in place, as one concatenated buffer (no packing)."""
+        self._call("all_reduce", timeout, self._c.all_reduce_many_, ts, _OPS[op], timeout)
+        return ts
 
     def broadcast_(self, t: torch.Tensor, src: int, timeout: float) -> torch.Tensor:
         """Copies group rank ``src``'s tensor into every rank's ``t``."""
