@@ -46,7 +46,7 @@ _IDLE, _BACKWARD, _REDUCED = "idle", "backward", "reduced"
 
 class _Bucket:
     def __init__(self, index: int, params: list[torch.nn.Parameter], compression: torch.dtype | None,
-                 alloc: Any = None, buffers: int = 1):
+                 alloc: Any = None):
         self.index = index
         self.params = params
         p0 = params[0]
@@ -58,26 +58,15 @@ class _Bucket:
             off += n
         self.total = off
         # Gradients first, then one flag per parameter.
-        self._flats, self._views = [], []
-        for _ in range(buffers):
-            if alloc is None:
-                flat = torch.zeros(off + len(params), dtype=p0.dtype, device=p0.device)
-            else:  # e.g. a slot of a shared-memory segment (zero-copy transports)
-                flat = alloc(off + len(params), p0.dtype, p0.device)
-            self._flats.append(flat)
-            self._views.append([flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, params)])
-        self.current = -1
-        self.swap()
+        if alloc is None:
+            self.flat = torch.zeros(off + len(params), dtype=p0.dtype, device=p0.device)
+        else:  # e.g. a buffer in the shared segment (zero-copy transports)
+            self.flat = alloc(off + len(params), p0.dtype, p0.device)
+        self.views = [self.flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, params)]
+        self.flags = self.flat[off:]
         self.comm = None if compression is None else torch.empty(self.flat.numel(), dtype=compression,
                                                                   device=p0.device)
         self.reset()
-
-    def swap(self) -> None:
-        """Moves to the next buffer (double buffering: the peers' caches no longer hold the one we write)."""
-        self.current = (self.current + 1) % len(self._flats)
-        self.flat = self._flats[self.current]
-        self.views = self._views[self.current]
-        self.flags = self.flat[self.total:]
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -155,8 +144,7 @@ class GradientSynchronizer:
                 if self.compression is not None and not plist[0].dtype.is_floating_point:
                     raise ValueError(f"gradient compression needs floating-point parameters, got {plist[0].dtype}")
                 alloc = None if self.compression is not None else getattr(self.transport, "alloc_flat", None)
-                nbuf = 2 if alloc is not None and getattr(self.transport, "double_buffer", False) else 1
-                buckets.append(_Bucket(len(buckets), plist, self.compression, alloc, nbuf))
+                buckets.append(_Bucket(len(buckets), plist, self.compression, alloc))
         return buckets
 
     def close(self) -> None:
@@ -228,7 +216,6 @@ class GradientSynchronizer:
     # --- the per-iteration state machine -----------------------------------------------------------------
     def _begin(self) -> None:
         for b in self.buckets:
-            b.swap()
             b.reset()
         self._next_launch = 0
         self._state = _BACKWARD
