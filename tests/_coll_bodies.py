@@ -251,6 +251,18 @@ def shm_many(rank: int, world: int) -> list[str]:
     return fails
 
 
+def shm_many_aliased(rank: int, world: int) -> bool:
+    """A list holding one tensor twice and a view of it: every entry ends with the sum of its own values
+    (each reduced once, as with packing), not a doubly reduced one."""
+    from torchstrategies import collectives as C
+    from torchstrategies.collectives import CommunicationOptions
+
+    t = torch.arange(200_000, dtype=torch.float64) * (rank + 1)  # 1.6 MB: the chunked path
+    expected = torch.arange(200_000, dtype=torch.float64) * sum(r + 1 for r in range(world))
+    C.all_reduce_([t, t[1000:5000], t], options=CommunicationOptions(implementation="SHM", timeout_seconds=60))
+    return bool(torch.equal(t, expected))
+
+
 def shm_many_mismatch(rank: int, world: int) -> str:
     """Lists of the same total size but different pieces on different ranks: an error, not a silent pairing."""
     from torchstrategies.collectives import shm
@@ -373,7 +385,8 @@ def suite2(rank: int, world: int, matrix_args: tuple, store_path: str = "") -> d
 
 
 def many_and_mismatch(rank: int, world: int) -> dict:
-    return {"many": shm_many(rank, world), "mismatch": shm_many_mismatch(rank, world)}
+    return {"many": shm_many(rank, world), "aliased": shm_many_aliased(rank, world),
+            "mismatch": shm_many_mismatch(rank, world)}
 
 
 def absent_peer_both(rank: int, world: int) -> dict:

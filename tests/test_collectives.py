@@ -77,6 +77,7 @@ def test_shm_list_on_three_ranks_and_mismatched_lists_raise():
     res = run_ranks(B.many_and_mismatch, 3, timeout=110)
     _ok([r["many"] for r in res])
     for r in res:
+        assert r["aliased"] is True  # the same tensor twice and a view of it: each reduced once
         assert "mismatched calls" in r["mismatch"], r["mismatch"]
 
 

@@ -58,3 +58,32 @@ def test_a_hung_worker_raises_deadline_exceeded_naming_it():
     kind, message, step = results[0]
     assert kind == "DeadlineExceededError", (kind, message)
     assert "ranks [1] did not arrive within 3 s" in message, message  # names the hung rank and the timeout
+
+
+def _shutdown_body(rank, world):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+
+    strategy = MultiWorkerMirroredStrategy()  # makes the process group itself
+    with strategy.scope():
+        model = torch.nn.Linear(8, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # imports torch._dynamo, as user code does
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    strategy.reduce("sum", torch.tensor(1.0), axis=None)
+    world_ref = weakref.ref(dist.group.WORLD)
+    strategy.shutdown()
+    gc.collect()
+    return {"initialized": dist.is_initialized(), "group_alive": world_ref() is not None}
+
+
+@pytest.mark.timeout(90)
+def test_shutdown_frees_the_process_group_it_made_even_after_an_optimizer_imported_dynamo():
+    # A gloo group that outlives shutdown keeps its worker threads until interpreter exit, where one that
+    # frees its last work item during finalization aborts the process (exit -6 under torchrun).
+    for res in run_ranks(_shutdown_body, 2, init_process_group=False, timeout=80):
+        assert res == {"initialized": False, "group_alive": False}

@@ -167,7 +167,9 @@ def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: Redu
     """SHM takes a list as it is: one in-place call per dtype over the tensors in list order, no packing.
 
     Every tensor of a dtype joins that dtype's call, whatever its layout (a non-contiguous one through a
-    contiguous copy, copied back), so the calls are the same on every rank.
+    contiguous copy, copied back), so the calls are the same on every rank. The reduction is in place, so
+    a tensor whose memory overlaps an earlier one in the list (the same tensor twice, a view of another)
+    works on a private copy, copied back: each is reduced exactly once, as packing did.
     """
     comm = shm.get_communicator(group, timeout)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -182,6 +184,8 @@ def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: Redu
             else:
                 w = t if t.is_contiguous() else t.contiguous()
             work.append(w)
+        if inplace and len(work) > 1:
+            _unalias(work)
         if len(work) == 1:
             comm.all_reduce_(work[0], op, timeout)  # zero-copy if it lies in a collectives.buffer()
         else:
@@ -190,6 +194,17 @@ def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: Redu
             for i, w in zip(idxs, work):
                 if w is not items[i]:
                     items[i].copy_(w)
+
+
+def _unalias(work: list[torch.Tensor]) -> None:
+    """Replaces every tensor whose bytes overlap an earlier one's by a private copy (in place in ``work``)."""
+    spans = sorted((w.data_ptr(), w.data_ptr() + w.numel() * w.element_size(), k)
+                   for k, w in enumerate(work) if w.numel())
+    end = -1
+    for lo, hi, k in spans:
+        if lo < end:
+            work[k] = work[k].clone()
+        end = max(end, hi)
 
 
 def _prepare(what: str, tensors: TensorOrList, op: Any, group: Any, options: CommunicationOptions | None):

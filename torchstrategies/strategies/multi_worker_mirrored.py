@@ -62,6 +62,23 @@ def live_extendeds() -> list[MultiWorkerMirroredExtended]:
     return [e for e in _LIVE if not e._closed]
 
 
+def _import_dynamo_first() -> None:
+    """Imports torch._dynamo before the process group exists.
+
+    torch 2.13 keeps a process group that existed when torch._dynamo was first imported alive after
+    ``destroy_process_group()`` (references from C++, found by experiment). Creating any torch optimizer
+    imports torch._dynamo (about 1.3 s), which users do right after making the strategy. A gloo group kept
+    alive that way still has its worker threads at interpreter exit; one that frees its last work item
+    during finalization aborts the process ("terminate called without an active exception", exit -6 under
+    torchrun). Importing it first costs nothing extra when an optimizer follows, and lets ``shutdown()``
+    free the group and its threads.
+    """
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - a torch without dynamo has nothing to capture the group either
+        pass
+
+
 def _default_resolver() -> ClusterResolver:
     if "RANK" in os.environ or "TF_CONFIG" not in os.environ:
         return TorchrunClusterResolver()
@@ -169,6 +186,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"torchstrategies/{run_id}/attempt_{attempt}/", store)
+        _import_dynamo_first()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
         self._owns_process_group = True
 
