@@ -259,12 +259,14 @@ def shm_many_aliased(rank: int, world: int) -> bool:
 
     t = torch.arange(200_000, dtype=torch.float64) * (rank + 1)  # 1.6 MB: the chunked path
     expected = torch.arange(200_000, dtype=torch.float64) * sum(r + 1 for r in range(world))
-    C.all_reduce_([t, t[1000:5000], t], options=CommunicationOptions(implementation="SHM", timeout_seconds=60))
+    opts = CommunicationOptions(implementation="SHM", timeout_seconds=60)
+    C.all_reduce_([t, t[1000:5000], t], options=opts)
     return bool(torch.equal(t, expected))
 
 
 def shm_many_mismatch(rank: int, world: int) -> str:
-    """Lists of the same total size but different pieces on different ranks: an error, not a silent pairing."""
+    """Lists of the same total size but different pieces on different ranks: an error, not a silent
+    pairing."""
     from torchstrategies.collectives import shm
     from torchstrategies.reduce_op import ReduceOp
 
@@ -351,7 +353,8 @@ def group_lifetime(rank: int, world: int, store_path: str) -> dict:
     for _ in range(3):  # the second and third calls take the cached plan (the hot path)
         C.all_reduce_(torch.ones(1000), options=shm_opts)
     C.all_reduce_async(torch.ones(10), options=shm_opts).wait()
-    C.all_reduce_(torch.ones(10), options=CommunicationOptions(implementation="HIERARCHICAL", timeout_seconds=30))
+    hier_opts = CommunicationOptions(implementation="HIERARCHICAL", timeout_seconds=30)
+    C.all_reduce_(torch.ones(10), options=hier_opts)
     C.all_gather(torch.ones(3))
     world_ref = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()

@@ -162,8 +162,8 @@ def _reduce(items: list[torch.Tensor], op: ReduceOp, group: Any, options: Commun
     return results
 
 
-def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: ReduceOp, group: Any, inplace: bool,
-                timeout: float) -> None:
+def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: ReduceOp, group: Any,
+                inplace: bool, timeout: float) -> None:
     """SHM takes a list as it is: one in-place call per dtype over the tensors in list order, no packing.
 
     Every tensor of a dtype joins that dtype's call, whatever its layout (a non-contiguous one through a
@@ -321,9 +321,9 @@ def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOption
         impl = Impl.GLOO  # nothing to exchange: dist.all_reduce on one rank is a no-op
     snapshot = None if options is None else (options.bytes_per_pack, options.timeout_seconds, options.implementation)
     c_reduce, code = (comm._c.all_reduce_, shm._OPS[rop]) if comm is not None else (None, None)
-    gref = None if group is None else weakref.ref(group)
-    wref = weakref.ref(topology.resolve(group))
     try:
+        gref = None if group is None else weakref.ref(group)
+        wref = weakref.ref(topology.resolve(group))
         _plans[(None if group is None else id(group), options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
             impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref, topology.generation())
     except TypeError:  # unhashable options object, or a group that takes no weak reference: no caching

@@ -3,9 +3,9 @@
 One segment per group, created by the group's rank 0 under a unique name ("/torchstrat_<pid>_<hex>")
 passed to the others through the c10d store, and unlinked as soon as every rank has mapped it, so
 nothing is left in /dev/shm even if a rank dies. Small messages take a one-shot path (every rank sums
-all peers' copies, one barrier); large ones a chunked reduce-scatter + all-gather. A list of tensors of one
-dtype is reduced in place as one concatenated buffer, without packing (``all_reduce_many_``). A tensor allocated
-with ``ShmCommunicator.buffer`` lives in shared memory and is reduced in place without a copy in
+all peers' copies, one barrier); large ones a chunked reduce-scatter + all-gather. A list of tensors of
+one dtype is reduced in place as one concatenated buffer, without packing (``all_reduce_many_``). A tensor
+allocated with ``ShmCommunicator.buffer`` lives in shared memory and is reduced in place without a copy in
 (the zero-copy path used for gradient buckets).
 """
 
@@ -54,7 +54,6 @@ class ShmCommunicator:
 
     def __init__(self, group: Any, timeout: float) -> None:
         g = topology.resolve(group)
-        self._group = weakref.ref(g)  # never keeps a destroyed process group alive
         self.ranks = topology.group_ranks(g)
         self.desc = topology.describe_group(g)
         self.rank = dist.get_rank(g)
@@ -125,11 +124,6 @@ class ShmCommunicator:
     @property
     def broken(self) -> bool:
         return bool(self._c.broken)
-
-    @property
-    def alive(self) -> bool:
-        """False once the process group it was made for has been destroyed."""
-        return self._group() is not None
 
     @property
     def name(self) -> str:

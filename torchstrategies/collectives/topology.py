@@ -19,7 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["host_id", "resolve", "clear_caches", "generation", "group_ranks", "group_hosts", "describe_group", "group_timeout", "group_key"]
+__all__ = ["host_id", "resolve", "clear_caches", "generation", "group_ranks", "group_hosts", "describe_group",
+           "group_timeout", "group_key"]
 
 # Per group object (held weakly): hosts, global ranks, description and timeout never change for a group,
 # and the hot path asks often.
