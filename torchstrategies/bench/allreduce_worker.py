@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torchstrategies import collectives as C
+from torchstrategies.bench.report import median
 from torchstrategies.collectives import shm
 from torchstrategies.reduce_op import ReduceOp
 
@@ -58,12 +59,6 @@ def _time(fn, iters: int) -> float:
     med = torch.tensor([ts[len(ts) // 2]], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return float(med.item())
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    m = len(xs) // 2
-    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
 def _call(impl: str, t: torch.Tensor):
@@ -120,9 +115,9 @@ def main() -> None:
             bar.update(1)
     if bar:
         bar.close()
-    rows = [{"size": nbytes, "implementation": impl, "seconds": _median(per_case[(nbytes, impl)]),
+    rows = [{"size": nbytes, "implementation": impl, "seconds": median(per_case[(nbytes, impl)]),
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
-    packed = {k: _median(v) for k, v in packed_rounds.items()}
+    packed = {k: median(v) for k, v in packed_rounds.items()}
     if rank == 0:
         with open(a.json, "w") as f:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds,

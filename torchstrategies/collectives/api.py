@@ -172,10 +172,8 @@ def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: Redu
     works on a private copy, copied back: each is reduced exactly once, as packing did.
     """
     comm = shm.get_communicator(group, timeout)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(items):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for idxs in by_dtype.values():
+    for pack in make_packs(items, 0):  # one group per dtype, in list order
+        idxs = pack.indices
         work = []
         for i in idxs:
             t = items[i]
@@ -274,9 +272,8 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
     ikey = (id(group), id(options), id(op), t.dtype, small)
     plan = _fast_ids.get(ikey)
     if plan is None:
-        pkey = (None if group is None else id(group), options, op, t.dtype, small)
         try:
-            plan = _plans.get(pkey)
+            plan = _plans.get(_plan_key(group, options, op, t.dtype, small))
         except TypeError:  # unhashable options object: no caching
             return False
         if plan is None:
@@ -290,7 +287,7 @@ def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | 
     if wref() is None or (gref is not None and gref() is not group) or gen != topology._generation[0]:
         # made for a process group that has since been destroyed, or before topology.clear_caches()
         _fast_ids.pop(ikey, None)
-        _plans.pop((None if group is None else id(group), options, op, t.dtype, small), None)
+        _plans.pop(_plan_key(group, options, op, t.dtype, small), None)
         return False
     if options is not None and (options.bytes_per_pack, options.timeout_seconds, options.implementation) != snapshot:
         return False
@@ -310,6 +307,11 @@ _fast_ids: dict[Any, tuple[Any, ...]] = {}
 _fast_refs: dict[Any, tuple[Any, ...]] = {}
 
 
+def _plan_key(group: Any, options: Any, op: Any, dtype: torch.dtype, small: bool) -> tuple[Any, ...]:
+    """The value key of ``_plans``: options and op by value, the group by id (its plan holds it weakly)."""
+    return (None if group is None else id(group), options, op, dtype, small)
+
+
 def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | None, impl: Impl,
               rop: ReduceOp, timeout: float) -> None:
     if not t.is_cpu or len(_plans) > 1024:
@@ -324,7 +326,7 @@ def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOption
     try:
         gref = None if group is None else weakref.ref(group)
         wref = weakref.ref(topology.resolve(group))
-        _plans[(None if group is None else id(group), options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
+        _plans[_plan_key(group, options, op, t.dtype, nbytes <= TREE_MAX_BYTES)] = (
             impl, rop, timeout, world, comm, c_reduce, code, snapshot, gref, wref, topology.generation())
     except TypeError:  # unhashable options object, or a group that takes no weak reference: no caching
         pass

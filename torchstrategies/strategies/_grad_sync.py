@@ -4,8 +4,9 @@ How it works:
 
 * The trainable parameters are grouped into buckets of about ``bytes_per_pack`` bytes (0: one bucket per
   dtype/device), in reverse registration order, which is roughly the order backward produces gradients.
-  Each bucket owns one flat tensor; after the first synchronized backward every ``param.grad`` is a view
-  into it, so backward accumulates straight into the buffer that is reduced (no copy in or out).
+  Each bucket owns one flat tensor; after a synchronized backward every ``param.grad`` is a view into it,
+  and the reduced result lands there (no copy out). A gradient autograd made anew (``zero_grad()`` sets
+  them to None) is copied into its view once.
 * A ``post_accumulate_grad`` hook per parameter marks it ready; a bucket whose parameters are all ready is
   all-reduced asynchronously right away, buckets always in the same index order on every rank.
 * At the end of backward (an autograd engine callback) the buckets that are not complete are launched too:
