@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["collect", "host_id", "registered_ops", "ENV_VARS", "ENV_PREFIXES"]
+__all__ = ["collect", "host_id", "cpu_model", "registered_ops", "ENV_VARS", "ENV_PREFIXES"]
 
 # Environment variables worth seeing in a bug report (values of unset ones are omitted).
 ENV_VARS = (
@@ -76,11 +76,12 @@ def _cpu() -> dict[str, Any]:
         pass
     info["torch_threads"] = torch.get_num_threads()
     info["machine"] = platform.machine()
-    info["processor"] = _cpu_model()
+    info["processor"] = cpu_model()
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``, else ``"unknown"``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

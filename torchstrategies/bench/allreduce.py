@@ -10,76 +10,135 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import platform
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
+from torchstrategies.bench.launch import run_torchrun
+from torchstrategies.bench.loopback import socket_buffer_bytes
 from torchstrategies.bench.report import BenchResult
 
-__all__ = ["run", "plot", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS"]
+__all__ = ["run", "plot", "busbw", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "ROOFLINE",
+           "COLUMNS"]
 
+ROOFLINE = "loopback-roofline"
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
-DEFAULT_IMPLEMENTATIONS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "ring", "tree"]
-COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo"]
+DEFAULT_IMPLEMENTATIONS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "ring", "tree", ROOFLINE]
+# With simulated hosts SHM cannot span the world group; HIERARCHICAL is what is worth seeing there.
+SIMULATED_HOSTS_IMPLEMENTATIONS = ["gloo", "ring", "tree", "hierarchical", ROOFLINE]
+IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ["hierarchical", "auto"]
+_SHM = ("shm", "shm-comm", "shm-zero-copy")
+COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo",
+           "fraction_of_roofline"]
+
+
+def busbw(algbw: float, nranks: int) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce: ``algbw * 2(n-1)/n`` (what each rank sends per second
+    in a ring; comparable with the link's bandwidth whatever the rank count).
+
+    >>> busbw(1.0, 2), busbw(1.0, 4), busbw(1.0, 1)
+    (1.0, 1.5, 0.0)
+    """
+    return algbw * 2 * (nranks - 1) / nranks
 
 
 def _size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20} MiB"
+    if n >= 1 << 10 and n % (1 << 10) == 0:
+        return f"{n >> 10} KiB"
+    return f"{n} B"
+
+
+def machine() -> str:
+    """One line naming this machine: CPU model, logical CPUs, OS and Python."""
+    from torchstrategies.env_info import cpu_model
+
+    return (f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
-        implementations: Sequence[str] = DEFAULT_IMPLEMENTATIONS, progress: bool = True,
-        timeout: float = 1200.0, rounds: int = 3) -> BenchResult:
+        implementations: Sequence[str] | None = None, progress: bool = True,
+        timeout: float = 1200.0, rounds: int = 3, simulate_hosts: int = 1) -> BenchResult:
     """Launches ``torchrun --standalone --nproc_per_node nproc`` on the worker and tabulates its timings.
 
     Args:
         nproc: ranks on this host.
-        sizes: message sizes in bytes (float32 tensors).
-        implementations: any of gloo, shm, shm-comm, shm-zero-copy, ring, tree, auto.
-        progress: show a progress bar (rank 0's, on stderr).
+        sizes: message sizes in bytes (float32 tensors; the roofline moves raw bytes).
+        implementations: any of gloo, shm, shm-comm, shm-zero-copy, ring, tree, hierarchical, auto,
+            loopback-roofline. gloo is always added (the speed-ups are over it). Default:
+            DEFAULT_IMPLEMENTATIONS, or SIMULATED_HOSTS_IMPLEMENTATIONS with ``simulate_hosts > 1``.
+        progress: show a progress bar on stderr.
         timeout: seconds before the launch is killed.
         rounds: every case is timed once per round, the cases interleaved; the median over rounds is
             reported (a burst of load from other jobs then hits one round of every row, not one row).
+        simulate_hosts: split the ranks into this many simulated hosts (``TORCHSTRATEGIES_HOST_ID`` per
+            rank, ``nproc / simulate_hosts`` consecutive ranks each), so HIERARCHICAL runs its inter-host
+            stage; must divide ``nproc``. SHM rows cannot span hosts and are refused then.
 
     Returns:
-        BenchResult with one row per (size, implementation) and the packed case in ``meta``/``notes``.
+        BenchResult with one row per (size, implementation); the machine, the load and the host of every
+        rank in ``title``/``notes``/``meta``.
+
+    Raises:
+        ValueError: a bad argument (names the value).
+        RuntimeError: the launch failed, or an implementation gave a wrong sum (the worker checks every
+            case before timing it; the message names the implementation, the size and the ranks).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    bad = [i for i in implementations if i not in DEFAULT_IMPLEMENTATIONS + ["auto"]]
+    if simulate_hosts < 1 or nproc % simulate_hosts:
+        raise ValueError(f"simulate_hosts must be >= 1 and divide nproc={nproc}, got {simulate_hosts}")
+    if not sizes or any(int(s) < 4 for s in sizes):
+        raise ValueError(f"sizes must be a non-empty list of byte counts >= 4, got {list(sizes)}")
+    socket_buffer_bytes()  # a bad TORCHSTRATEGIES_BENCH_SOCKET_BUFFER_BYTES fails here, not in every rank
+    if implementations is None:
+        implementations = SIMULATED_HOSTS_IMPLEMENTATIONS if simulate_hosts > 1 else DEFAULT_IMPLEMENTATIONS
+    bad = [i for i in implementations if i not in IMPLEMENTATIONS]
     if bad:
-        raise ValueError(f"unknown implementations {bad}; choose from {DEFAULT_IMPLEMENTATIONS + ['auto']}")
-    impls = list(implementations)
+        raise ValueError(f"unknown implementations {bad}; choose from {IMPLEMENTATIONS}")
+    if simulate_hosts > 1 and any(i in _SHM for i in implementations):
+        raise ValueError(f"implementations {[i for i in implementations if i in _SHM]} need every rank on one "
+                         f"host; with simulate_hosts={simulate_hosts} use e.g. {SIMULATED_HOSTS_IMPLEMENTATIONS}")
+    impls = list(dict.fromkeys(implementations))
     if "gloo" not in impls:
         impls.insert(0, "gloo")
+    if nproc < 2 and ROOFLINE in impls:
+        impls.remove(ROOFLINE)  # nothing to send to
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("TORCHSTRATEGIES_HOST_ID", None)  # the worker sets it per rank, or the hostname applies
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "torchstrategies.bench.allreduce_worker", "--json", out,
                "--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls),
-               "--rounds", str(rounds)]
+               "--rounds", str(rounds), "--simulate-hosts", str(simulate_hosts)]
         if progress:
             cmd.append("--progress")
-        proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=subprocess.PIPE, text=True)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(
-                f"allreduce benchmark failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}")
+        total = rounds * (len(sizes) * len(impls) + int(any(i in _SHM for i in impls)))
+        run_torchrun(cmd, env, total=total, desc="allreduce bench", progress=progress, timeout=timeout)
+        if not os.path.exists(out):
+            raise RuntimeError(f"allreduce benchmark wrote no results: {' '.join(cmd)}")
         with open(out) as f:
             data = json.load(f)
     data["load"] = (load_before, os.getloadavg()[0])
+    data["machine"] = machine()
+    data["simulate_hosts"] = simulate_hosts
     return _table(data, nproc)
 
 
-def _table(data: dict, nproc: int) -> BenchResult:
+def _table(data: dict[str, Any], nproc: int) -> BenchResult:
     gloo = {r["size"]: r["seconds"] for r in data["rows"] if r["implementation"] == "gloo"}
+    roof = {r["size"]: r["seconds"] for r in data["rows"] if r["implementation"] == ROOFLINE}
     rows = []
     for r in data["rows"]:
         sec = r["seconds"]
@@ -89,25 +148,51 @@ def _table(data: dict, nproc: int) -> BenchResult:
             "implementation": r["implementation"],
             "median_us": sec * 1e6,
             "algbw_GBps": algbw,
-            "busbw_GBps": algbw * 2 * (nproc - 1) / nproc,
+            "busbw_GBps": busbw(algbw, nproc),
             "speedup_vs_gloo": gloo[r["size"]] / sec,
+            # busbw(impl) / busbw(roofline) at the same size and rank count = roofline time / impl time
+            "fraction_of_roofline": roof[r["size"]] / sec if r["size"] in roof else "",
             "bytes": r["size"],
+            "rounds_us": [s * 1e6 for s in r.get("rounds", [])],
         })
-    p = data["packed"]
+    hosts = data.get("hosts") or []
     notes = [
-        f"packed: 100 x 10k-float all-reduce: 100 separate gloo calls {p['gloo-100-calls'] * 1e3:.2f} ms; "
-        f"packed SHM {p['shm'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['shm']:.1f}x); "
-        f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)",
-        f"busbw = algbw * 2(n-1)/n; time = the slowest rank's median per round, median of "
-        f"{data.get('rounds', 1)} interleaved rounds; shm-zero-copy reduces a "
-        "collectives.buffer() tensor in place; shm-comm skips the Python API layer.",
+        f"algbw = size / time; busbw = algbw * 2(n-1)/n (nccl-tests' all-reduce definitions, n = {nproc}); "
+        f"time = the slowest rank's median per round, median of {data.get('rounds', 1)} interleaved rounds; "
+        "every case's sum is checked on every rank before it is timed.",
     ]
-    if "load" in data:
-        notes.append(f"1-minute load average of this machine before/after the run: "
-                     f"{data['load'][0]:.1f} / {data['load'][1]:.1f} on {data.get('cpus')} CPUs "
-                     "(other jobs share it; ratios are from one run, so both sides saw the same load)")
-    return BenchResult(f"all-reduce, {nproc} ranks, float32 (torch {data.get('torch')}, {data.get('cpus')} CPUs)",
-                       COLUMNS, rows, notes, {"packed_seconds": p, "nproc": nproc, "load": data.get("load")})
+    if roof:
+        buf = data.get("socket_buffer_bytes")
+        bufs = f"SO_SNDBUF/SO_RCVBUF {buf} bytes" if buf else "socket buffers autotuned by the kernel"
+        notes.append(
+            f"{ROOFLINE}: every rank sends 2(n-1)/n * size bytes (what one ring all-reduce sends per rank) to "
+            "rank+1 and receives as many from rank-1 at once, over TCP on 127.0.0.1 (one Python thread per "
+            f"rank, non-blocking, {bufs}, no reduction); fraction_of_roofline = busbw / its busbw.")
+    if any(r["implementation"] in _SHM for r in data["rows"]):
+        notes.append("shm-zero-copy reduces a collectives.buffer() tensor in place; shm-comm skips the Python "
+                     "API layer.")
+    p = data.get("packed")
+    if p:
+        notes.append(
+            f"packed: 100 x 10k-float all-reduce: 100 separate gloo calls {p['gloo-100-calls'] * 1e3:.2f} ms; "
+            f"packed SHM {p['shm'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['shm']:.1f}x); "
+            f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)")
+    if len(set(hosts)) > 1:
+        notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; HIERARCHICAL saw "
+                     f"{data.get('hierarchical_hosts')} hosts")
+    load = data.get("load")
+    if load:
+        notes.append(f"1-minute load average of this machine before/after the run: {load[0]:.2f} / {load[1]:.2f} "
+                     f"on {data.get('cpus')} CPUs (ratios are from one run, so both sides saw the same load)")
+    sim = data.get("simulate_hosts", 1)
+    layout = f", {sim} simulated hosts x {nproc // sim}" if sim > 1 else ""
+    head = f"load {load[0]:.2f}, " if load else ""
+    title = (f"all-reduce, {nproc} ranks{layout}, float32 ({head}{data.get('machine', '')}, "
+             f"torch {data.get('torch')})")
+    meta = {"packed_seconds": p, "nproc": nproc, "load": load, "machine": data.get("machine"), "hosts": hosts,
+            "hierarchical_hosts": data.get("hierarchical_hosts"), "simulate_hosts": sim,
+            "rounds": data.get("rounds")}
+    return BenchResult(title, COLUMNS, rows, notes, meta)
 
 
 def plot(result: BenchResult, path: str) -> None:

@@ -8,26 +8,39 @@ Every rank times the same calls back to back; the time of a call is the slowest 
 is reported: a burst of load from other jobs then hits one round of every row, not one row.
 Rows: one per (size, implementation); "shm-zero-copy" reduces a buffer that already lives in the
 shared segment (``collectives.buffer``); "shm-comm" calls the communicator without the Python API
-layer. Plus the packed case: 100 tensors of 10k floats in one packed all-reduce vs 100 gloo calls.
+layer; "loopback-roofline" is raw TCP bytes between the ranks (``bench/loopback.py``). When an SHM row is
+selected, also the packed case: 100 tensors of 10k floats in one packed all-reduce vs 100 gloo calls.
+
+Before every timed case (every round) each implementation reduces a known pattern once and the result is
+compared with the exact sum on every rank (the roofline compares the received bytes with what its left
+neighbour sent): a wrong result stops the run with a RuntimeError naming the implementation, the size
+and the ranks, so no wrong implementation's time is ever reported. ``--simulate-hosts H`` sets
+``TORCHSTRATEGIES_HOST_ID`` per rank (ranks ``[k*n/H, (k+1)*n/H)`` on ``simulated-host-k``) before the process
+group exists, so HIERARCHICAL runs SHM inside a simulated host and its inter-host stage between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from torchstrategies import collectives as C
+from torchstrategies.bench.loopback import LoopbackRing, ring_bytes
 from torchstrategies.bench.report import median
-from torchstrategies.collectives import shm
+from torchstrategies.collectives import shm, topology
 from torchstrategies.reduce_op import ReduceOp
 
-IMPLS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "ring", "tree"]
+ROOFLINE = "loopback-roofline"
+SHM_IMPLS = ("shm", "shm-comm", "shm-zero-copy")
+IMPLS = ["gloo", *SHM_IMPLS, "ring", "tree", "hierarchical", "auto", ROOFLINE]
 
 
 def _iters(nbytes: int) -> int:
@@ -37,7 +50,7 @@ def _iters(nbytes: int) -> int:
 WARMUP_S = 0.05  # warm-up per case: long enough for the scheduler to settle the ranks after the last case
 
 
-def _time(fn, iters: int) -> float:
+def _time(fn: Callable[[], object], iters: int) -> float:
     # Warm up for at least 10 calls and about WARMUP_S seconds, the same for every implementation: right after
     # another case (gloo's threads, a large message) both ranks can share one core for a while. The calls are
     # collectives, so the ranks agree on the count (the largest any rank needs).
@@ -61,15 +74,82 @@ def _time(fn, iters: int) -> float:
     return float(med.item())
 
 
-def _call(impl: str, t: torch.Tensor):
+def _call(impl: str, t: torch.Tensor) -> Callable[[], object]:
     if impl == "gloo":
         return lambda: dist.all_reduce(t)
     if impl == "shm-comm":
         comm = shm.get_communicator(None, 300.0)
         return lambda: comm.all_reduce_(t, ReduceOp.SUM, 300.0)
-    name = {"shm": "SHM", "shm-zero-copy": "SHM", "ring": "RING", "tree": "TREE", "auto": "AUTO"}[impl]
+    name = {"shm": "SHM", "shm-zero-copy": "SHM", "ring": "RING", "tree": "TREE", "auto": "AUTO",
+            "hierarchical": "HIERARCHICAL"}[impl]
     opts = C.CommunicationOptions(implementation=name, timeout_seconds=300)
     return lambda: C.all_reduce_(t, options=opts)
+
+
+def _agree(what: str, problem: str | None) -> None:
+    """Raises RuntimeError on every rank if ``problem`` is set on any (a collective: every rank calls it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags = torch.zeros(world, dtype=torch.int32)
+    flags[rank] = int(problem is not None)
+    dist.all_reduce(flags)
+    bad = flags.nonzero().flatten().tolist()
+    if bad:
+        mine = f"; on rank {rank}: {problem}" if problem else ""
+        raise RuntimeError(f"{what} gave a wrong result on ranks {bad}{mine}")
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    diff = got.ne(expected).nonzero()
+    if diff.numel() == 0:
+        return None
+    i = int(diff[0, 0])
+    return f"{diff.shape[0]} of {got.numel()} elements differ, first at {i}: got {got[i].item()}, " \
+           f"expected {expected[i].item()}"
+
+
+def _check_all_reduce(impl: str, nbytes: int, t: torch.Tensor, fn: Callable[[], object]) -> None:
+    """One call on a known pattern (small integers, exact in float32), compared with the exact sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = (torch.arange(t.numel()) % 13).to(t.dtype)
+    t.copy_(base + rank)
+    fn()
+    expected = base * world + world * (world - 1) // 2
+    _agree(f"all-reduce '{impl}' of {nbytes} bytes", _first_difference(t, expected))
+
+
+def _pattern(nbytes: int, rank: int) -> torch.Tensor:
+    return ((torch.arange(nbytes, dtype=torch.int64) * 31 + rank * 7) % 251).to(torch.uint8)
+
+
+class _Roofline:
+    """The roofline case of one size: send/receive buffers and the exchange, checked once per round."""
+
+    def __init__(self, ring: LoopbackRing, nbytes: int) -> None:
+        self.ring, self.nbytes = ring, nbytes
+        moved = ring_bytes(nbytes, ring.world)
+        self.send_t = _pattern(moved, ring.rank)
+        self.recv_t = torch.zeros(moved, dtype=torch.uint8)
+        self.expected = _pattern(moved, ring.left)
+        self.send = self.send_t.numpy().data.cast("B")
+        self.recv = self.recv_t.numpy().data.cast("B")
+
+    def __call__(self) -> None:
+        self.ring.exchange(self.send, self.recv)
+
+    def check(self) -> None:
+        self.recv_t.zero_()
+        self()
+        _agree(f"{ROOFLINE} of {self.nbytes} bytes", _first_difference(self.recv_t, self.expected))
+
+
+def _simulate_hosts(hosts: int) -> None:
+    """Sets this rank's TORCHSTRATEGIES_HOST_ID from torchrun's RANK/WORLD_SIZE (before any group exists)."""
+    if hosts <= 1:
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world % hosts:
+        raise ValueError(f"--simulate-hosts {hosts} must divide the world size {world}")
+    os.environ["TORCHSTRATEGIES_HOST_ID"] = f"simulated-host-{rank // (world // hosts)}"
 
 
 def main() -> None:
@@ -78,49 +158,77 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,65536,1048576,16777216,67108864")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--simulate-hosts", type=int, default=1)
     p.add_argument("--progress", action="store_true")
     a = p.parse_args()
+    _simulate_hosts(a.simulate_hosts)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, topology.host_id())
     sizes = [int(s) for s in a.sizes.split(",") if s]
     impls = [s for s in a.impls.split(",") if s]
+    if world < 2:
+        impls = [i for i in impls if i != ROOFLINE]
     cases = [(s, i) for s in sizes for i in impls]
     rounds = max(1, a.rounds)
-    bar = None
-    if a.progress and rank == 0:
-        from tqdm import tqdm
+    packed_case = any(i in SHM_IMPLS for i in impls)
+    step = 0
 
-        bar = tqdm(total=rounds * (len(cases) + 1), desc="allreduce bench", file=__import__("sys").stderr)
+    def progress(label: str) -> None:
+        nonlocal step
+        step += 1
+        if a.progress and rank == 0:
+            print(f"PROGRESS {step} {label}", flush=True)
+
+    ring = LoopbackRing(dist.distributed_c10d._get_default_store(), rank, world) if ROOFLINE in impls else None
     # One tensor per case for every round (zero-copy buffers are not reclaimed one by one).
-    tensors = {}
+    calls: dict = {}
+    checks: dict = {}
     for nbytes, impl in cases:
+        if impl == ROOFLINE:
+            assert ring is not None
+            calls[(nbytes, impl)] = checks[(nbytes, impl)] = _Roofline(ring, nbytes)
+            continue
         n = nbytes // 4
-        tensors[(nbytes, impl)] = C.buffer(n, torch.float32) if impl == "shm-zero-copy" else torch.zeros(n)
+        t = C.buffer(n, torch.float32) if impl == "shm-zero-copy" else torch.zeros(n)
+        fn = _call(impl, t)
+        calls[(nbytes, impl)] = (t, fn)
+        checks[(nbytes, impl)] = functools.partial(_check_all_reduce, impl, nbytes, t, fn)
     per_case: dict = {c: [] for c in cases}
     grads = [torch.ones(10_000) for _ in range(100)]
     packed_rounds: dict = {"gloo-100-calls": [], "shm": [], "gloo": []}
     for _ in range(rounds):
         for nbytes, impl in cases:
-            t = tensors[(nbytes, impl)]
-            t.fill_(1.0)
-            per_case[(nbytes, impl)].append(_time(_call(impl, t), _iters(nbytes)))
-            if bar:
-                bar.update(1)
-        # Packed: 100 x 10k floats.
-        packed_rounds["gloo-100-calls"].append(_time(lambda: [dist.all_reduce(g) for g in grads], 20))
-        for impl in ("SHM", "GLOO"):
-            opts = C.CommunicationOptions(implementation=impl, timeout_seconds=300)
-            packed_rounds[impl.lower()].append(_time(lambda o=opts: C.all_reduce_(grads, options=o), 20))
-        if bar:
-            bar.update(1)
-    if bar:
-        bar.close()
+            checks[(nbytes, impl)]()
+            if impl == ROOFLINE:
+                fn = calls[(nbytes, impl)]
+            else:
+                t, fn = calls[(nbytes, impl)]
+                t.fill_(1.0)
+            per_case[(nbytes, impl)].append(_time(fn, _iters(nbytes)))
+            progress(f"{impl}@{nbytes}")
+        if packed_case:  # 100 x 10k floats
+            packed_rounds["gloo-100-calls"].append(_time(lambda: [dist.all_reduce(g) for g in grads], 20))
+            for name in ("SHM", "GLOO"):
+                opts = C.CommunicationOptions(implementation=name, timeout_seconds=300)
+                packed_rounds[name.lower()].append(_time(functools.partial(C.all_reduce_, grads, options=opts), 20))
+            progress("packed")
     rows = [{"size": nbytes, "implementation": impl, "seconds": median(per_case[(nbytes, impl)]),
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
-    packed = {k: median(v) for k, v in packed_rounds.items()}
+    packed = {k: median(v) for k, v in packed_rounds.items()} if packed_case else None
+    buffer_bytes = ring.buffer_bytes if ring is not None else None
+    hier_hosts = None
+    if "hierarchical" in impls:
+        from torchstrategies.collectives import hierarchical
+
+        hier_hosts = hierarchical.layout().num_hosts
+    if ring is not None:
+        ring.close()
     if rank == 0:
         with open(a.json, "w") as f:
-            json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds,
+            json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
+                       "hierarchical_hosts": hier_hosts, "socket_buffer_bytes": buffer_bytes,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -26,6 +26,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "impls": ("implementations", "impls", "implementation"),
     "strategies": ("strategies", "strategy"),
     "nproc": ("nproc", "world_size", "nproc_per_node"),
+    "simulate_hosts": ("simulate_hosts",),
     "repeats": ("repeats", "rounds", "reps", "iters"),
     "steps": ("steps", "num_steps", "iters"),
     "batch_size": ("batch_size", "batch", "per_rank_batch_size"),
@@ -141,20 +142,47 @@ def kernels(ctx: click.Context, n, kernel_sizes, repeats, progress, json_path, p
     "--impl",
     "impls",
     multiple=True,
-    help="Implementation to include (repeat), e.g. shm, ring, tree, gloo. Default: all.",
+    help="Row to include (repeat): gloo, shm, shm-comm, shm-zero-copy, ring, tree, hierarchical, auto, "
+    "loopback-roofline (raw TCP bytes between the ranks). gloo is always added. Default: all but "
+    "hierarchical and auto (with --simulate-hosts: gloo, ring, tree, hierarchical, loopback-roofline).",
 )
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repetitions per point.")
+@click.option(
+    "--repeats",
+    type=click.IntRange(1),
+    default=None,
+    help="Interleaved rounds; the median over them is reported (default 3).",
+)
+@click.option(
+    "--simulate-hosts",
+    "simulate_hosts",
+    type=click.IntRange(1),
+    default=None,
+    help="Split the ranks into H simulated hosts (TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive "
+    "ranks each; H must divide --nproc), so HIERARCHICAL runs SHM inside a host and its inter-host "
+    "stage between them. SHM rows are refused then.",
+)
 @_output_options
 @click.pass_context
 def allreduce(
-    ctx: click.Context, nproc, message_sizes, impls, repeats, progress, json_path, plot_path
+    ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, progress, json_path, plot_path
 ) -> None:
-    """Time every all-reduce implementation side by side (launches torchrun with --nproc ranks)."""
+    """Time all-reduce implementations side by side (launches torchrun with --nproc ranks).
+
+    Per size and implementation: median time, algbw = size/time, busbw = algbw * 2(n-1)/n (nccl-tests'
+    definitions), the speed-up over gloo, and the fraction of the loopback roofline's busbw. Every case's
+    sum is checked on every rank before it is timed. The title carries the machine and its load average.
+
+    \b
+    Example (gloo vs RING vs the roofline, 3 sizes, 5 rounds):
+      torchstrategies bench allreduce --nproc 2 --impl gloo --impl ring --impl loopback-roofline \\
+          --size 4KiB --size 1MiB --size 64MiB --repeats 5 --json ar.json
+    """
     opts = {
         "nproc": nproc,
         "message_sizes": message_sizes,
         "impls": impls,
         "repeats": repeats,
+        "simulate_hosts": simulate_hosts,
         "progress": progress,
     }
     explicit = _explicit(ctx, list(opts)) | {"nproc"}
