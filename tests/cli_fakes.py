@@ -56,8 +56,11 @@ def make_kernels(calls: list) -> types.ModuleType:
 
 
 def make_allreduce(calls: list) -> types.ModuleType:
-    def run(nproc=2, sizes=(4096, 1 << 20), implementations=None, progress=True):
-        calls.append({"nproc": nproc, "sizes": sizes, "implementations": implementations})
+    def run(nproc=2, sizes=(4096, 1 << 20), implementations=None, progress=True, simulate_hosts=None):
+        call = {"nproc": nproc, "sizes": sizes, "implementations": implementations}
+        if simulate_hosts is not None:
+            call["simulate_hosts"] = simulate_hosts
+        calls.append(call)
         rows = [
             {"implementation": i, "size": f"{s // 1024} KiB", "median": f"{t} us"}
             for (i, s), t in ALLREDUCE_TIMES.items()

@@ -24,3 +24,10 @@ def test_a_failed_job_raises_with_the_tail_of_its_stderr():
     with pytest.raises(RuntimeError, match=r"(?s)t: torchrun exited with 3:.*LAST-ERR"):
         run_torchrun([sys.executable, "-c", _CHATTY.format(rc=3)], dict(os.environ), total=2, desc="t",
                      progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_past_its_timeout_is_stopped_and_named():
+    cmd = [sys.executable, "-c", "import sys, time; sys.stderr.write('STILL-HERE'); sys.stderr.flush(); time.sleep(50)"]
+    with pytest.raises(RuntimeError, match=r"(?s)t: torchrun did not finish within 1 s:.*STILL-HERE"):
+        run_torchrun(cmd, dict(os.environ), total=1, desc="t", progress=False, timeout=1)

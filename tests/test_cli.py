@@ -141,6 +141,14 @@ def test_bench_allreduce_passes_nproc_sizes_and_impls(monkeypatch, tmp_path):
     assert {row["implementation"] for row in json.loads(js.read_text())["rows"]} == {"gloo", "shm", "ring"}
 
 
+def test_bench_allreduce_passes_simulate_hosts_only_when_given(monkeypatch):
+    calls = cli_fakes.install(monkeypatch, "allreduce")
+    assert invoke(["bench", "allreduce", "--nproc", "4", "--simulate-hosts", "2"]).exit_code == 0
+    assert invoke(["bench", "allreduce", "--nproc", "4"]).exit_code == 0
+    assert calls["allreduce"][0]["simulate_hosts"] == 2
+    assert "simulate_hosts" not in calls["allreduce"][1]
+
+
 def test_a_benchmark_that_fails_is_one_error_line_not_a_traceback(monkeypatch):
     calls = cli_fakes.install(monkeypatch, "allreduce")
     mod = sys.modules["torchstrategies.bench.allreduce"]
