@@ -1,5 +1,11 @@
 """``torchstrategies bench allreduce``: every all-reduce implementation side by side, one torchrun run.
 
+Per (size, implementation): the median time, algbw = size / time, busbw = algbw * 2(n-1)/n (nccl-tests'
+all-reduce definitions), the speed-up over gloo and the fraction of the loopback roofline (raw TCP bytes
+between the ranks, ``bench/loopback.py``) measured by the same worker in the same run. The worker checks
+every case's sum before timing it; ``simulate_hosts`` splits the ranks into simulated hosts for
+HIERARCHICAL. docs/collectives.md ("``torchstrategies bench allreduce``: what it measures") has the details.
+
 Example:
     >>> from torchstrategies.bench import allreduce
     >>> r = allreduce.run(nproc=2, sizes=[4096, 1 << 20])      # doctest: +SKIP
@@ -20,8 +26,8 @@ from torchstrategies.bench.launch import run_torchrun
 from torchstrategies.bench.loopback import socket_buffer_bytes
 from torchstrategies.bench.report import BenchResult
 
-__all__ = ["run", "plot", "busbw", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "ROOFLINE",
-           "COLUMNS"]
+__all__ = ["run", "plot", "busbw", "machine", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS",
+           "SIMULATED_HOSTS_IMPLEMENTATIONS", "ROOFLINE", "COLUMNS"]
 
 ROOFLINE = "loopback-roofline"
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
