@@ -99,9 +99,9 @@ def _agree(what: str, problem: str | None) -> None:
 
 
 def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
-    diff = got.ne(expected).nonzero()
-    if diff.numel() == 0:
+    if torch.equal(got, expected):
         return None
+    diff = got.ne(expected).nonzero()
     i = int(diff[0, 0])
     return f"{diff.shape[0]} of {got.numel()} elements differ, first at {i}: got {got[i].item()}, " \
            f"expected {expected[i].item()}"
@@ -110,15 +110,21 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
 def _check_all_reduce(impl: str, nbytes: int, t: torch.Tensor, fn: Callable[[], object]) -> None:
     """One call on a known pattern (small integers, exact in float32), compared with the exact sum."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = (torch.arange(t.numel()) % 13).to(t.dtype)
+    base = _periodic(torch.arange(13, dtype=t.dtype), t.numel())
     t.copy_(base + rank)
     fn()
     expected = base * world + world * (world - 1) // 2
     _agree(f"all-reduce '{impl}' of {nbytes} bytes", _first_difference(t, expected))
 
 
+def _periodic(period: torch.Tensor, n: int) -> torch.Tensor:
+    """``period`` repeated to ``n`` elements (no int64 index tensor of length n: 64 MiB stays 64 MiB)."""
+    return period.repeat(-(-n // period.numel()))[:n].contiguous()
+
+
 def _pattern(nbytes: int, rank: int) -> torch.Tensor:
-    return ((torch.arange(nbytes, dtype=torch.int64) * 31 + rank * 7) % 251).to(torch.uint8)
+    """Bytes that differ per rank and per position (period 251, a prime), for the roofline's check."""
+    return _periodic(((torch.arange(251) * 31 + rank * 7) % 251).to(torch.uint8), nbytes)
 
 
 class _Roofline:
