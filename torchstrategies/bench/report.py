@@ -69,7 +69,7 @@ class BenchResult:
         table = Table(title=Text(self.title))
         for c in self.columns:  # numbers right-aligned, text left-aligned
             numeric = all(isinstance(r.get(c, ""), (int, float)) or r.get(c, "") == "" for r in self.rows)
-            table.add_column(Text(c), justify="right" if numeric else "left")
+            table.add_column(Text(c), justify="right" if numeric else "left", overflow="fold")  # never "…"
         for row in self.rows:  # Text(): brackets in cells and notes are text, not rich markup
             table.add_row(*(Text(_fmt(row.get(c, ""))) for c in self.columns))
         console.print(table)
