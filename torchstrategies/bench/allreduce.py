@@ -173,7 +173,8 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
         notes.append(
             f"{ROOFLINE}: every rank sends 2(n-1)/n * size bytes (what one ring all-reduce sends per rank) to "
             "rank+1 and receives as many from rank-1 at once, over TCP on 127.0.0.1 (one Python thread per "
-            f"rank, non-blocking, {bufs}, no reduction); fraction_of_roofline = busbw / its busbw.")
+            f"rank, non-blocking, {bufs}, no reduction); fraction_of_roofline = busbw / its busbw (SHM rows use "
+            "no sockets and can exceed 1).")
     if any(r["implementation"] in _SHM for r in data["rows"]):
         notes.append("shm-zero-copy reduces a collectives.buffer() tensor in place; shm-comm skips the Python "
                      "API layer.")
