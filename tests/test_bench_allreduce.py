@@ -68,6 +68,7 @@ def test_simulate_hosts_gives_each_half_of_the_ranks_its_own_host_id():
                       rounds=1, timeout=220)
     assert r.meta["hosts"] == ["simulated-host-0", "simulated-host-0", "simulated-host-1", "simulated-host-1"]
     assert r.meta["hierarchical_hosts"] == 2  # HIERARCHICAL really ran its inter-host stage
+    assert r.meta["hierarchical_leader_all_reduce"].startswith("torchstrategies.collectives.")
     assert {row["implementation"] for row in r.rows} == {"gloo", "hierarchical"}
     assert "2 simulated hosts x 2" in r.title
 

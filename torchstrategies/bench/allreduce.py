@@ -186,7 +186,8 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
             f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)")
     if len(set(hosts)) > 1:
         notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; HIERARCHICAL saw "
-                     f"{data.get('hierarchical_hosts')} hosts")
+                     f"{data.get('hierarchical_hosts')} hosts, its inter-host stage called "
+                     f"{data.get('hierarchical_leader_all_reduce')}")
     load = data.get("load")
     if load:
         notes.append(f"1-minute load average of this machine before/after the run: {load[0]:.2f} / {load[1]:.2f} "
@@ -197,7 +198,8 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
     title = (f"all-reduce, {nproc} ranks{layout}, float32 ({head}{data.get('machine', '')}, "
              f"torch {data.get('torch')})")
     meta = {"packed_seconds": p, "nproc": nproc, "load": load, "machine": data.get("machine"), "hosts": hosts,
-            "hierarchical_hosts": data.get("hierarchical_hosts"), "simulate_hosts": sim,
+            "hierarchical_hosts": data.get("hierarchical_hosts"),
+            "hierarchical_leader_all_reduce": data.get("hierarchical_leader_all_reduce"), "simulate_hosts": sim,
             "rounds": data.get("rounds")}
     return BenchResult(title, COLUMNS, rows, notes, meta)
 

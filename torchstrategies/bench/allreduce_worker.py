@@ -224,17 +224,20 @@ def main() -> None:
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
     packed = {k: median(v) for k, v in packed_rounds.items()} if packed_case else None
     buffer_bytes = ring.buffer_bytes if ring is not None else None
-    hier_hosts = None
+    hier_hosts = hier_leader = None
     if "hierarchical" in impls:
         from torchstrategies.collectives import hierarchical
 
         hier_hosts = hierarchical.layout().num_hosts
+        leader = getattr(hierarchical, "LEADER_ALL_REDUCE", [None])[0]  # what its inter-host stage called
+        hier_leader = f"{leader.__module__}.{leader.__qualname__}" if leader is not None else "unknown"
     if ring is not None:
         ring.close()
     if rank == 0:
         with open(a.json, "w") as f:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
-                       "hierarchical_hosts": hier_hosts, "socket_buffer_bytes": buffer_bytes,
+                       "hierarchical_hosts": hier_hosts, "hierarchical_leader_all_reduce": hier_leader,
+                       "socket_buffer_bytes": buffer_bytes,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()
     dist.destroy_process_group()
