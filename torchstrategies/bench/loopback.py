@@ -19,7 +19,7 @@ instead (before ``listen``/``connect``, so the window scales; the kernel caps N 
 It is a reference, not a proven upper bound: a C++ engine that sends and receives on separate threads or
 several sockets may beat one Python thread, especially for large messages. Every listener is bound
 to 127.0.0.1 (never a wildcard) on a port the kernel picks; addresses and a random per-run token go through
-the c10d store, and a connection that does not present the token is refused before any payload is read.
+the c10d store, and a connection that does not present the token in its first 16 bytes is closed.
 
 Example:
     >>> ring = LoopbackRing(store, rank, world, timeout=60.0)        # doctest: +SKIP
@@ -83,7 +83,8 @@ class LoopbackRing:
 
     Raises:
         ValueError: world below 2 or rank outside it.
-        ConnectionError: the left neighbour's connection did not present this run's token.
+        TimeoutError: the right neighbour could not be reached, or no connection with this run's token
+            came from the left one, within ``timeout``.
     """
 
     def __init__(self, store: Any, rank: int, world: int, timeout: float = 300.0) -> None:
@@ -93,6 +94,7 @@ class LoopbackRing:
         self.left, self.right = (rank - 1) % world, (rank + 1) % world
         self.buffer_bytes = buf = socket_buffer_bytes()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.out = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             _tune(listener, buf)  # accepted sockets inherit the buffer sizes; RCVBUF must precede listen()
             listener.bind((HOST, 0))
@@ -101,12 +103,14 @@ class LoopbackRing:
             token = secrets.token_bytes(_TOKEN_BYTES)
             store.set(f"{_KEY}/{rank}", f"{HOST}:{listener.getsockname()[1]}:{token.hex()}")
             host, port, right_token = store.get(f"{_KEY}/{self.right}").decode().split(":")
-            self.out = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             _tune(self.out, buf)
             self.out.settimeout(timeout)
             self.out.connect((host, int(port)))
             self.out.sendall(bytes.fromhex(right_token))
             self.inp = self._accept(listener, token)
+        except BaseException:
+            self.out.close()
+            raise
         finally:
             listener.close()
         for s in (self.out, self.inp):
@@ -139,7 +143,7 @@ class LoopbackRing:
                 return conn
             conn.close()
             if time.monotonic() > deadline:
-                raise ConnectionError(
+                raise TimeoutError(
                     f"loopback roofline: rank {self.rank} got no connection with this run's token from rank "
                     f"{self.left} within {self.timeout:g} s")
 
