@@ -106,7 +106,8 @@ def _validate(what: str, items: list[torch.Tensor], op: ReduceOp, impl: Impl) ->
         if not native_ok and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{what}: tensors[{i}] has unsupported dtype {t.dtype} for {impl.name} "
-                f"(supported: float32, float64, float16, bfloat16, int32, int64; GLOO takes others)"
+                f"(supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}; "
+                f"GLOO takes others)"
             )
         if mean and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
