@@ -375,6 +375,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def _input_workers(self) -> tuple[int, int]:
         return self._world, self._rank
 
+    def _input_max_over_pipelines(self, values: list[int]) -> list[int]:
+        flags = torch.tensor(values, dtype=torch.int64, device=self._device)
+        (out,) = self._all_reduce_tensors(ReduceOp.MAX, [flags])
+        return [int(v) for v in out.tolist()]
+
     def _shared_seed(self) -> int:
         seed = torch.tensor([int(torch.randint(0, 2**31 - 1, (1,)).item())], dtype=torch.int64)
         self.broadcast_tensors([seed], src=0)
