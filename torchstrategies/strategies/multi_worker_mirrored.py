@@ -137,7 +137,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._synchronizers: list[GradientSynchronizer] = []
         self._comm_hook: Any = None if self._compression is None else CompressionHook(self._compression)
         self._synced_params: set[int] = set()
-        self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -257,7 +256,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             module.to(self._device)
         tensors = [p.data for p in params] + [b for b in module.buffers()]
         self.broadcast_tensors(tensors, src=0)
-        self._modules.append(weakref.ref(module))
         trainable = [p for p in params if p.requires_grad]
         if trainable:
             hook = self._comm_hook
@@ -318,9 +316,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     @property
     def gradient_synchronizers(self) -> tuple[GradientSynchronizer, ...]:
         return tuple(self._synchronizers)
-
-    def tracked_modules(self) -> list[torch.nn.Module]:
-        return [m for m in (r() for r in self._modules) if m is not None]
 
     # --- communication ------------------------------------------------------------------------------------
     def _guard(self, fn: Callable[[], Any], what: str) -> Any:
