@@ -6,21 +6,25 @@
 
 #include <optional>
 
+#include "core/reduce_kernels.h"
+
 namespace torchstrategies {
 
-inline bool supported_dtype(at::ScalarType t) {
+// The dtypes our kernels take and their code in the torch-free kernels (core::DType): the one table.
+// csrc/cpu/shm_binding.cpp exports it to Python (torchstrategies._C.DTYPES), where ops.py reads it.
+inline std::optional<core::DType> kernel_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kInt:
-    case at::kLong:
-      return true;
-    default:
-      return false;
+    case at::kFloat: return core::DType::kFloat32;
+    case at::kDouble: return core::DType::kFloat64;
+    case at::kHalf: return core::DType::kFloat16;
+    case at::kBFloat16: return core::DType::kBFloat16;
+    case at::kInt: return core::DType::kInt32;
+    case at::kLong: return core::DType::kInt64;
+    default: return std::nullopt;
   }
 }
+
+inline bool supported_dtype(at::ScalarType t) { return kernel_dtype(t).has_value(); }
 
 // Checks that `tensors` is a non-empty list of same-shaped, same-dtype, same-device tensors of a
 // supported dtype; `out`, if given, must match them too.

@@ -145,6 +145,7 @@ def async_and_buffers(rank: int, world: int) -> dict:
     return {
         "in_shm": in_shm,
         "same_object": res is buf,
+        "futures": isinstance(h, torch.futures.Future) and isinstance(h2, torch.futures.Future),
         "buf_ok": torch.equal(buf.double(), expect),
         "max_ok": torch.equal(o2, torch.full((5,), float(world - 1))),
         "bcast_ok": torch.equal(b, torch.full((3, 3), float(world - 1))),
@@ -170,18 +171,28 @@ def hierarchical(rank: int, world: int) -> dict:
 
 
 def timeout_absent_peer(rank: int, world: int, impl: str) -> str:
-    """Rank 1 never joins; rank 0 must raise DeadlineExceededError naming rank 1."""
+    """Rank 1 never joins; rank 0 must raise DeadlineExceededError naming rank 1 (``RING-async``: from the
+    ``torch.futures.Future`` that ``all_reduce_async`` returns, on ``wait()``)."""
     from torchstrategies import collectives as C
     from torchstrategies.errors import DeadlineExceededError
 
+    is_async = impl.endswith("-async")
+    impl = impl.removesuffix("-async")
     if impl == "SHM":  # set the segment up first, so the timeout hits the all-reduce itself
         C.all_reduce(torch.ones(1), options=C.CommunicationOptions(implementation="SHM"))
     if rank == 1:
         time.sleep(3 if impl == "SHM" else 5)
         return "absent"
     t0 = time.monotonic()
+    opts = C.CommunicationOptions(implementation=impl, timeout_seconds=2)
     try:
-        C.all_reduce(torch.ones(10), options=C.CommunicationOptions(implementation=impl, timeout_seconds=2))
+        if is_async:
+            fut = C.all_reduce_async(torch.ones(10), options=opts)
+            if not isinstance(fut, torch.futures.Future):
+                return f"not a torch.futures.Future: {type(fut).__name__}"
+            fut.wait()
+        else:
+            C.all_reduce(torch.ones(10), options=opts)
     except DeadlineExceededError as e:
         return f"raised after {time.monotonic() - t0:.1f}s: {e}"
     return "no error"
@@ -395,4 +406,4 @@ def many_and_mismatch(rank: int, world: int) -> dict:
 
 
 def absent_peer_both(rank: int, world: int) -> dict:
-    return {impl: timeout_absent_peer(rank, world, impl) for impl in ("SHM", "RING")}
+    return {impl: timeout_absent_peer(rank, world, impl) for impl in ("SHM", "RING", "RING-async")}

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.usefixtures("no_shm_leftovers")  # tests/conftest.py
 @pytest.mark.timeout(60)
 def test_absent_peer_raises_deadline_exceeded_naming_it():
     res = run_ranks(B.absent_peer_both, 2, timeout=50, pg_timeout=30)
-    assert res[1] == {"SHM": "absent", "RING": "absent"}
-    for impl in ("SHM", "RING"):
+    assert res[1] == {"SHM": "absent", "RING": "absent", "RING-async": "absent"}
+    for impl in ("SHM", "RING", "RING-async"):
         msg = res[0][impl]
         assert msg.startswith("raised after"), msg
         assert "ranks [1]" in msg and "all_reduce" in msg and "world" in msg, msg

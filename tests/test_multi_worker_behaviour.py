@@ -150,6 +150,54 @@ def _check_input(rank, world):
             "contexts": contexts, "from_fn": from_fn}
 
 
+def _uneven_batches(rank):
+    """Worker 0 holds 3 batches of 2 rows, worker 1 one batch of 3 rows (a fixed seed per worker)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(2 if rank == 0 else 3, IN, generator=g) for _ in range(3 if rank == 0 else 1)]
+
+
+def _train_uneven(s, model, make_iterable):
+    """One epoch of SGD on per-worker input; returns the rows each step got and the final parameters."""
+    def step(x):
+        (model(x).pow(2).sum() / 5).backward()  # the loss of the global rows of a step over 5 (any constant)
+
+    rows = []
+    for batch in s.distribute_datasets_from_function(lambda ctx: make_iterable(_uneven_batches(ctx.input_pipeline_id))):
+        rows.append(batch.shape[0])
+        s.run(step, args=(batch,))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    return rows, [p.detach().clone().numpy() for p in model.parameters()]
+
+
+def _check_uneven(rank, world):
+    """Per-worker input of different lengths ends the epoch on every worker at once (TF's rule): the worker
+    whose data ran out gets empty batches; a worker with no batch at all makes every worker raise."""
+    from torchstrategies.distribute.input_lib import InputExhaustedError
+
+    s = _strategy()
+    out = {}
+    for key, make_iterable in (("known_len", list),  # len() known: the lengths are exchanged once
+                               ("unknown_len", lambda bs: (b for b in bs))):  # a generator: a flag per step
+        with s.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(IN, OUT)
+        out[key] = _train_uneven(s, model, make_iterable)
+    for name, make in (("known", list), ("unknown", iter)):
+        try:
+            for _ in s.distribute_datasets_from_function(
+                    lambda ctx, make=make: make(_uneven_batches(0) if ctx.input_pipeline_id == 0 else [])):
+                pass
+            out[f"dry_{name}"] = "no error"
+        except InputExhaustedError as exc:
+            out[f"dry_{name}"] = str(exc)
+    out["after"] = s.reduce("sum", torch.tensor(1.0), axis=None).item()  # the group still works
+    s.shutdown()
+    return out
+
+
 def _body(rank, world):
     return {
         "no_sync": _check_no_sync(rank, world),
@@ -159,6 +207,7 @@ def _body(rank, world):
         "bf16": _check_compression(rank, world, "bfloat16"),
         "reduce": _check_reduce_gather(rank, world),
         "input": _check_input(rank, world),
+        "uneven": _check_uneven(rank, world),
     }
 
 
@@ -265,3 +314,34 @@ def test_missing_torchrun_environment_names_the_variable(monkeypatch):
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="gradient_compression"):
         _strategy(gradient_compression="int8")
+
+
+def _uneven_reference():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(IN, OUT).double()
+    b0, b1 = _uneven_batches(0), _uneven_batches(1)
+    for k in range(3):
+        x = torch.cat([b0[k]] + ([b1[k]] if k < len(b1) else [])).double()
+        (model(x).pow(2).sum() / 5).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    return [p.detach().float().numpy() for p in model.parameters()]
+
+
+def test_uneven_per_worker_input_ends_the_epoch_on_every_worker_by_tfs_rule(results):
+    want = _uneven_reference()
+    for key in ("known_len", "unknown_len"):
+        (rows0, params0), (rows1, params1) = results[0]["uneven"][key], results[1]["uneven"][key]
+        assert rows0 == [2, 2, 2] and rows1 == [3, 0, 0], key  # worker 1 ran out: empty batches, same steps
+        assert_params_close(params1, params0, what=key)
+        assert_params_close(params0, want, what=key)
+
+
+def test_a_worker_without_any_batch_makes_every_worker_raise_naming_it(results):
+    for r in results:
+        for name, what in (("known", "have len() 0"), ("unknown", "have no batch at all")):
+            msg = r["uneven"][f"dry_{name}"]
+            assert f"input pipelines (workers) [1] {what}" in msg, msg
+        assert r["uneven"]["after"] == 2.0

@@ -118,3 +118,25 @@ def test_out_with_autograd_is_refused() -> None:
         ts.ops.accumulate_n(xs, out=torch.empty(3))
     with torch.no_grad():
         assert ts.ops.accumulate_n(xs, out=torch.empty(3)).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_dtype_table_comes_from_the_extension_and_matches_what_the_kernels_take() -> None:
+    """ops.SUPPORTED_DTYPES / FLOAT_DTYPES / DTYPE_CODES are derived from ``_C.DTYPES`` (csrc/checks.h), and
+    the C++ kernels take exactly the dtypes that table marks as theirs."""
+    from torchstrategies._ext import _C
+
+    table = dict(_C.DTYPES)
+    assert set(ts.ops.SUPPORTED_DTYPES) == {d for d, (_, k, _) in table.items() if k >= 0}
+    assert ts.ops.FLOAT_DTYPES == tuple(d for d in ts.ops.SUPPORTED_DTYPES if d.is_floating_point)
+    assert ts.ops.DTYPE_CODES == {d: c for d, (c, _, _) in table.items()}
+    assert len(set(ts.ops.DTYPE_CODES.values())) == len(table)  # distinct codes: a mismatch is always seen
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.complex64, torch.complex128):
+        assert dtype in ts.ops.DTYPE_CODES  # GLOO's dtypes have descriptor codes too
+    for dtype, (_, kernel_code, is_float) in table.items():
+        assert is_float == dtype.is_floating_point, dtype
+        xs = [torch.ones(3, dtype=dtype), torch.ones(3, dtype=dtype)]
+        if kernel_code >= 0:
+            assert torch.ops.torchstrategies.accumulate_n(xs, None).tolist() == [2, 2, 2], dtype
+        else:
+            with pytest.raises(RuntimeError, match="unsupported dtype"):
+                torch.ops.torchstrategies.accumulate_n(xs, None)

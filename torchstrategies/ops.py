@@ -18,15 +18,23 @@ from typing import Any
 
 import torch
 
-from torchstrategies import _ext  # noqa: F401  (loads the extension or raises ImportError)
+from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
-__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "SUPPORTED_DTYPES", "FLOAT_DTYPES"]
+__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "SUPPORTED_DTYPES", "FLOAT_DTYPES",
+           "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 
-# The dtypes our kernels take: the one table (collectives and the shared-memory path import it).
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-SUPPORTED_DTYPES = FLOAT_DTYPES + (torch.int32, torch.int64)
+# The dtype table comes from C++ (csrc/checks.h kernel_dtype, exported as _C.DTYPES): torch.dtype ->
+# (code in call descriptors, the kernels' code or -1, is floating point). Everything else derives from it.
+_DTYPES: dict[torch.dtype, tuple[int, int, bool]] = {d: (int(c), int(k), bool(f)) for d, (c, k, f) in
+                                                     _C.DTYPES.items()}
+# The dtypes our kernels take, in the kernels' order, and the floating-point ones among them.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(sorted((d for d, v in _DTYPES.items() if v[1] >= 0),
+                                                         key=lambda d: _DTYPES[d][1]))
+FLOAT_DTYPES: tuple[torch.dtype, ...] = tuple(d for d in SUPPORTED_DTYPES if _DTYPES[d][2])
+# Codes compared across ranks in call descriptors (any dtype a collective may see, GLOO's too).
+DTYPE_CODES: dict[torch.dtype, int] = {d: v[0] for d, v in _DTYPES.items()}
 _SUPPORTED = SUPPORTED_DTYPES
 
 

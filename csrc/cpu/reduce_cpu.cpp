@@ -18,16 +18,9 @@ namespace {
 constexpr int64_t kGrain = 32 * 1024;
 
 core::DType core_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return core::DType::kFloat32;
-    case at::kDouble: return core::DType::kFloat64;
-    case at::kHalf: return core::DType::kFloat16;
-    case at::kBFloat16: return core::DType::kBFloat16;
-    case at::kInt: return core::DType::kInt32;
-    case at::kLong: return core::DType::kInt64;
-    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype reached the kernel: ", t);
-  }
-  return core::DType::kFloat32;
+  const auto d = kernel_dtype(t);
+  TORCH_INTERNAL_ASSERT(d.has_value(), "unsupported dtype reached the kernel: ", t);
+  return *d;
 }
 
 // Sums `tensors` (already validated) into `out` in `order`. Inputs that are not contiguous are copied;

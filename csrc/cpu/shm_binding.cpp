@@ -7,6 +7,7 @@
 #include <vector>
 #include <memory>
 
+#include "checks.h"
 #include "core/reduce_kernels.h"
 #include "core/shm.h"
 
@@ -285,6 +286,18 @@ void init_shm_bindings(py::module_& m) {
   op_codes["MIN"] = static_cast<int>(kMin);
   op_codes["MAX"] = static_cast<int>(kMax);
   m.attr("REDUCE_OP_CODES") = op_codes;
+  // Every dtype a collective may see: torch.dtype -> (code in call descriptors = c10's ScalarType number,
+  // the kernels' core::DType code or -1 where our kernels do not take it, is floating point).
+  py::dict dtypes;
+  auto add_dtype = [&dtypes](at::ScalarType st) {
+    const auto k = kernel_dtype(st);
+    dtypes[py::cast(st)] = py::make_tuple(static_cast<int>(st), k ? static_cast<int>(*k) : -1,
+                                          at::isFloatingType(st));
+  };
+#define TS_ADD_DTYPE(_, name) add_dtype(at::ScalarType::name);
+  AT_FORALL_SCALAR_TYPES_WITH_COMPLEX(TS_ADD_DTYPE)
+#undef TS_ADD_DTYPE
+  m.attr("DTYPES") = dtypes;
   g_mismatch_error = mismatch.ptr();
   py::class_<PyComm>(m, "ShmComm")
       .def(py::init<const std::string&, int, int, size_t, bool>(), py::arg("name"), py::arg("rank"),

@@ -16,17 +16,12 @@
 namespace torchstrategies {
 namespace {
 
+// The CUDA kernels take the floating-point dtypes of the kernels' one table (checks.h kernel_dtype).
 core::DType cuda_dtype(const char* op, at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return core::DType::kFloat32;
-    case at::kDouble: return core::DType::kFloat64;
-    case at::kHalf: return core::DType::kFloat16;
-    case at::kBFloat16: return core::DType::kBFloat16;
-    default:
-      TORCH_CHECK(false, op, ": dtype ", t,
-                  " has no CUDA kernel (supported on CUDA: float32, float64, float16, bfloat16)");
-  }
-  return core::DType::kFloat32;
+  const std::optional<core::DType> d = kernel_dtype(t);
+  TORCH_CHECK(d.has_value() && at::isFloatingType(t), op, ": dtype ", t,
+              " has no CUDA kernel (supported on CUDA: float32, float64, float16, bfloat16)");
+  return *d;
 }
 
 void reduce_into_cuda(const char* op, core::Order order, at::TensorList tensors,

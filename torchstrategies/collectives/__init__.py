@@ -10,7 +10,6 @@ Example (every rank, under torchrun):
 from __future__ import annotations
 
 from torchstrategies.collectives.api import (
-    AllReduceHandle,
     all_gather,
     all_reduce,
     all_reduce_,
@@ -22,7 +21,6 @@ from torchstrategies.collectives.api import (
 from torchstrategies.collectives.options import CommunicationImplementation, CommunicationOptions
 
 __all__ = [
-    "AllReduceHandle",
     "CommunicationImplementation",
     "CommunicationOptions",
     "all_gather",

@@ -15,19 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchstrategies._ext import _C
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
-from torchstrategies.ops import FLOAT_DTYPES, SUPPORTED_DTYPES  # the kernels' one dtype table
+from torchstrategies.ops import DTYPE_CODES, FLOAT_DTYPES, SUPPORTED_DTYPES  # the one dtype table (from C++)
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["torch_op", "combine_", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
            "SUPPORTED_DTYPES", "DTYPE_CODES", "OP_CODES", "report_fault", "reported_fault", "diagnose",
            "remember_peers", "host_hash"]
 
-# Codes compared across ranks in call descriptors (any dtype a collective may see, GLOO's too).
-_ALL_DTYPES = SUPPORTED_DTYPES + (torch.bool, torch.uint8, torch.int8, torch.int16, torch.complex64,
-                                  torch.complex128)
-DTYPE_CODES: dict[torch.dtype, int] = {dt: i + 1 for i, dt in enumerate(_ALL_DTYPES)}
-OP_CODES: dict[Any, int] = {op: i + 1 for i, op in enumerate(ReduceOp)}
+# The reduce-op codes every SHM communicator call takes and call descriptors compare: exported from C++.
+OP_CODES: dict[ReduceOp, int] = {op: int(_C.REDUCE_OP_CODES[op.name]) for op in ReduceOp}
 
 # Words in gloo's / c10d's messages that mean "the peer did not answer in time" (else: it is gone).
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline")

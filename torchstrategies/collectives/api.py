@@ -6,7 +6,7 @@ Example (under torchrun, gloo):
     >>> from torchstrategies import collectives as C
     >>> grads = [torch.ones(10), torch.ones(3, dtype=torch.float64)]          # doctest: +SKIP
     >>> C.all_reduce_(grads, op="sum", options=ts.CommunicationOptions(implementation="shm"))
-    >>> h = C.all_reduce_async(grads, op="mean"); ...; h.wait()
+    >>> fut = C.all_reduce_async(grads, op="mean"); ...; fut.wait()   # a torch.futures.Future
 
 AUTO picks the implementation from this table; the first row that matches wins (see docs/collectives.md
 for the benchmark behind it):
@@ -39,7 +39,7 @@ from torchstrategies.collectives.plan import Plan, PlanCache
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_reduce_", "all_reduce_async", "all_gather", "broadcast", "buffer",
-           "choose", "AllReduceHandle", "TREE_MAX_BYTES"]
+           "choose", "TREE_MAX_BYTES"]
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]  # noqa: UP007 - a runtime alias on py3.10
 TREE_MAX_BYTES = 64 << 10
@@ -106,7 +106,8 @@ def _validate(what: str, items: list[torch.Tensor], op: ReduceOp, impl: Impl) ->
         if not native_ok and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{what}: tensors[{i}] has unsupported dtype {t.dtype} for {impl.name} "
-                f"(supported: float32, float64, float16, bfloat16, int32, int64; GLOO takes others)"
+                f"(supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}; "
+                f"GLOO takes others)"
             )
         if mean and not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
@@ -120,7 +121,7 @@ def _flush(key: tuple[int, ...]) -> None:
     with _lock:
         futs = _pending.pop(key, [])
     for f in futs:
-        f.exception()  # waits; errors are reported by the handle's wait()
+        f.exception()  # waits; errors are reported by the future's wait()
 
 
 def _run_flat(impl: Impl, flat: torch.Tensor, op: ReduceOp, group: Any, timeout: float, world: int) -> None:
@@ -304,32 +305,15 @@ def all_reduce_(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group:
     return items[0] if single else items
 
 
-class AllReduceHandle:
-    """The result of ``all_reduce_async``: ``wait()`` returns the reduced tensors or raises the error."""
-
-    def __init__(self, future: Future, single: bool) -> None:
-        self._future = future
-        self._single = single
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until done (the collective's own timeout still applies); returns what all_reduce_ returns."""
-        out = self._future.result(timeout)
-        return out[0] if self._single else out
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Any) -> None:
-        """Calls ``fn(self)`` once the operation has finished (at once if it has)."""
-        self._future.add_done_callback(lambda _: fn(self))
-
-
 def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
-                     options: CommunicationOptions | None = None) -> AllReduceHandle:
-    """Starts an in-place all-reduce of ``tensors`` on a background thread; returns a handle.
+                     options: CommunicationOptions | None = None) -> torch.futures.Future[Any]:
+    """Starts an in-place all-reduce of ``tensors`` on a background thread; returns a ``torch.futures.Future``.
 
-    Operations on one group run in the order they were started; a synchronous call on the group
-    first waits for the pending ones. Don't touch ``tensors`` until ``wait()`` returns.
+    The future is the one async type of the package (the type DDP's comm hooks return): ``wait()`` returns
+    what ``all_reduce_`` returns (the Tensor, or the list) or raises the collective's named error
+    (UnavailableError, DeadlineExceededError, ValueError for a mismatched call). Operations on one group run
+    in the order they were started; a synchronous call on the group first waits for the pending ones.
+    Don't touch ``tensors`` until ``wait()`` returns.
     """
     items, single, rop, opts, impl, timeout = _prepare("all_reduce_async", tensors, op, group, options, sync=False)
     key = topology.group_key(group)
@@ -337,14 +321,25 @@ def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, g
         shm.get_communicator(group, timeout)  # collective set-up in the caller's thread
     elif impl is Impl.HIERARCHICAL:
         hierarchical.layout()
+    result: torch.futures.Future[Any] = torch.futures.Future()
     with _lock:
         ex = _executors.get(key)
         if ex is None:
             ex = _executors[key] = ThreadPoolExecutor(1, thread_name_prefix="torchstrategies-collective")
-        fut = ex.submit(_reduce, items, rop, group, opts, True, impl, timeout)
-        _pending.setdefault(key, []).append(fut)
-    fut.add_done_callback(lambda f: _forget(key, f))
-    return AllReduceHandle(fut, single)
+        work = ex.submit(_reduce, items, rop, group, opts, True, impl, timeout)
+        _pending.setdefault(key, []).append(work)
+
+    def finish(done: Future) -> None:
+        _forget(key, done)
+        exc = done.exception()
+        if exc is not None:
+            result.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the value type
+        else:
+            out = done.result()
+            result.set_result(out[0] if single else out)
+
+    work.add_done_callback(finish)
+    return result
 
 
 def _forget(key: tuple[int, ...], fut: Future) -> None:

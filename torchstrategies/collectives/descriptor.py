@@ -57,14 +57,14 @@ def _row(what: str, seq: int, op: Any, tensors: Sequence[torch.Tensor], setting:
     dtype = _code(DTYPE_CODES, next(iter(dtypes))) if len(dtypes) == 1 else (
         zlib.crc32(repr(sorted(map(str, dtypes))).encode()) & 0x7FFFFFFF)
     shapes = zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()) & 0x7FFFFFFF
-    opc = 0 if op is None else _SRC_BASE + op if isinstance(op, int) else _code(OP_CODES, op)
+    opc = 0 if op is None else _SRC_BASE + op if isinstance(op, int) else 1 + _code(OP_CODES, op)  # 0: none
     return [_MAGIC, seq, _WHAT[what], opc, dtype, sum(t.numel() for t in tensors), shapes, int(setting),
             host_hash(), os.getpid()]  # the last two are not compared: they identify the rank's process
 
 
 def _fmt(row: list[int]) -> str:
     what = next((k for k, v in _WHAT.items() if v == row[2]), f"#{row[2]}")
-    op = "-" if not row[3] else f"src {row[3] - _SRC_BASE}" if row[3] >= _SRC_BASE else _name(OP_CODES, row[3])
+    op = "-" if not row[3] else f"src {row[3] - _SRC_BASE}" if row[3] >= _SRC_BASE else _name(OP_CODES, row[3] - 1)
     return (f"{what}#{row[1]}(op={op}, "
             f"dtype={_name(DTYPE_CODES, row[4])}, numel={row[5]}, shapes#{row[6]:x}, setting={row[7]})")
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchstrategies._ext import _C
 from torchstrategies.collectives import topology
 from torchstrategies.collectives._common import (
+    OP_CODES,
     SUPPORTED_DTYPES,
     deadline_error,
     global_missing,
@@ -37,8 +38,6 @@ from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["ShmCommunicator", "get_communicator", "supported"]
 
-# The communicator's reduce-op codes, from the C++ extension (its one table).
-OP_CODES: dict[ReduceOp, int] = {op: int(_C.REDUCE_OP_CODES[op.name]) for op in ReduceOp}
 ERRORS = (_C.ShmDeadlineError, _C.ShmMismatchError)  # what the C++ communicator raises for comm faults
 SLOT_BYTES = int(os.environ.get("TORCHSTRATEGIES_SHM_SLOT_BYTES", str(4 << 20)))
 # One communicator per live group object, held weakly: a destroyed process group must be freed at once

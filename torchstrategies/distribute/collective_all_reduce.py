@@ -157,18 +157,10 @@ class CollectiveAllReduce(CrossDeviceOps):
             if flat.device.type == "cpu":
                 collectives.all_reduce_(flat, "sum", group=self.group, options=self._bucket_options)
                 return _done(flat)
-            handle = collectives.all_reduce_async(flat, "sum", group=self.group, options=self._bucket_options)
+            fut: torch.futures.Future[torch.Tensor] = collectives.all_reduce_async(
+                flat, "sum", group=self.group, options=self._bucket_options)
         except Exception as exc:  # noqa: BLE001 - the future carries it to the waiter
             return _failed(exc)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-
-        def finish(_: Any) -> None:
-            try:
-                fut.set_result(handle.wait())
-            except Exception as exc:  # noqa: BLE001
-                fut.set_exception(exc)  # type: ignore[arg-type]
-
-        handle.add_done_callback(finish)
         return fut
 
     def all_gather_flat(self, flat: torch.Tensor, options: Any = None) -> list[torch.Tensor]:

@@ -82,7 +82,7 @@ def _wrap_optimizer_init() -> None:
         orig(self, *args, **kwargs)
         ext = current_extended()
         if ext is not None and not getattr(self, "_torchstrategies_seen", False):
-            self._torchstrategies_seen = True
+            setattr(self, "_torchstrategies_seen", True)  # noqa: B010 - a mark on torch's class, not typed there
             ext._on_optimizer_created(self)
 
     __init__._torchstrategies_wrapped = True  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ import torch
 from torchstrategies.aggregation import AggregationMethod, _resolve, aggregate
 from torchstrategies.distribute import device_util
 from torchstrategies.distribute.values import DistributedValues, Mirrored, PerReplica
+from torchstrategies.ops import FLOAT_DTYPES
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = [
@@ -41,8 +42,6 @@ _log = logging.getLogger("torchstrategies.distribute")
 # when torch's threaded add competes for busy cores; torch's add wins on mid-sized tensors with one thread.
 # Large tensors dominate a step, so it is the default when no accumulation_fn is given.
 DEFAULT_ACCUMULATION = AggregationMethod.EXPERIMENTAL_ACCUMULATE_N
-
-_FLOAT_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _as_per_replica(value: Any) -> DistributedValues:
@@ -193,7 +192,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         if len(tensors) == 1:
             t = tensors[0].clone()
             return t * scale if scale is not None else t
-        if tensors[0].dtype in _FLOAT_KERNEL_DTYPES:
+        if tensors[0].dtype in FLOAT_DTYPES:
             return aggregate(tensors, self._method, scale=scale)
         out = aggregate(tensors, AggregationMethod.ADD_N)
         return out / (1.0 / scale) if scale is not None else out

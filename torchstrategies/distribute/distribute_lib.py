@@ -664,6 +664,11 @@ class StrategyExtended:
         """(num_input_pipelines, input_pipeline_id) of this process."""
         return 1, 0
 
+    def _input_max_over_pipelines(self, values: list[int]) -> list[int]:
+        """Element-wise MAX of ``values`` over every input pipeline (how per-worker input agrees on when an
+        epoch ends). One pipeline: ``values`` as they are; a multi-worker strategy all-reduces them."""
+        return values
+
     def _experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Any:
         from torchstrategies.distribute.input_lib import DistributedDataset
 

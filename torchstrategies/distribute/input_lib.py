@@ -36,6 +36,7 @@ __all__ = [
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
     "DistributedIterator",
+    "InputExhaustedError",
     "split_sizes",
 ]
 
@@ -219,8 +220,16 @@ class DistributedDatasetsFromFunction:
 
     ``dataset_fn`` is called once per input pipeline (once in this process). Its iterable yields
     PER-REPLICA batches; in each step the local replicas take consecutive elements. When the data runs
-    out in the middle of a step, the remaining replicas receive empty batches (0 rows, same structure);
-    when it runs out at a step boundary, iteration stops.
+    out in the middle of a step, the remaining replicas receive empty batches (0 rows, same structure).
+
+    Several pipelines (MultiWorkerMirroredStrategy, one per worker) may hold different numbers of batches.
+    TF's rule applies: the epoch ends on every worker at once, when every pipeline is exhausted, and until
+    then a worker whose data ran out gets empty batches (the structure of its last batch, 0 rows), so every
+    worker runs the same steps and the collectives stay matched. When every pipeline's iterable has a
+    ``len()``, the lengths are exchanged once per epoch (one small all-reduce); otherwise each step
+    all-reduces whether each worker still has data (TF does this every step). A worker that has no batch
+    at all while others have data cannot build an empty batch: every worker then raises
+    ``InputExhaustedError`` (a ValueError) naming the problem, at the same step.
     """
 
     def __init__(
@@ -252,20 +261,66 @@ class DistributedDatasetsFromFunction:
     def _generate(self) -> Iterator[Any]:
         ext = self._strategy.extended
         local, devices = ext._num_local_replicas, ext.worker_devices
+        fetch = self._options.experimental_fetch_to_device
+        pipelines, _ = ext._input_workers()
+        steps = self._agreed_steps(ext, local) if pipelines > 1 else None
         it = iter(self._dataset)
-        while True:
+        template: Any = None  # the last batch seen: the structure of an empty one
+        step = 0
+        while steps is None or step < steps:
             outs: list[Any] = []
             for j in range(local):
                 try:
-                    outs.append(_to_device(next(it), devices[j], self._options.experimental_fetch_to_device))
+                    outs.append(_to_device(next(it), devices[j], fetch))
                 except StopIteration:
                     break
-            if not outs:
+            if pipelines > 1 and steps is None:  # length unknown somewhere: agree on this step (TF's rule)
+                agreed = ext._input_max_over_pipelines([int(bool(outs))] + self._one_hot(not outs and template is None))
+                if not agreed[0]:
+                    return
+                if any(agreed[1:]):
+                    raise InputExhaustedError(self._dry_message(agreed[1:], "have no batch at all", step))
+            elif not outs and pipelines == 1:
                 return
+            if outs:
+                template = outs[0]
+            elif template is None:  # known lengths: this pipeline yielded fewer batches than its len()
+                raise InputExhaustedError(
+                    f"distribute_datasets_from_function: input pipeline {self._ctx.input_pipeline_id} "
+                    f"yielded no batch although its len() is {len(self._dataset)}")  # type: ignore[arg-type]
             while len(outs) < local:
-                outs.append(
-                    _to_device(
-                        _empty_like(outs[0]), devices[len(outs)], self._options.experimental_fetch_to_device
-                    )
-                )
+                outs.append(_to_device(_empty_like(template), devices[len(outs)], fetch))
+            step += 1
             yield _wrap(outs)
+
+    def _agreed_steps(self, ext: Any, local: int) -> int | None:
+        """The epoch's step count when every pipeline's iterable has a ``len()`` (None otherwise)."""
+        try:
+            n = len(self._dataset)  # type: ignore[arg-type]
+        except TypeError:
+            n = -1
+        steps = -(-n // local) if n >= 0 else 0
+        agreed = ext._input_max_over_pipelines([int(n < 0), steps] + self._one_hot(n == 0))
+        if agreed[0]:
+            return None
+        if any(agreed[2:]) and agreed[1] > 0:
+            raise InputExhaustedError(self._dry_message(agreed[2:], "have len() 0", 0, agreed[1]))
+        return agreed[1]
+
+    def _one_hot(self, flag: bool) -> list[int]:
+        """One slot per pipeline, this pipeline's set to ``flag`` (a MAX all-reduce then names every one)."""
+        slots = [0] * self._ctx.num_input_pipelines
+        slots[self._ctx.input_pipeline_id] = int(flag)
+        return slots
+
+    def _dry_message(self, slots: list[int], what: str, step: int, steps: int | None = None) -> str:
+        dry = [i for i, v in enumerate(slots) if v]
+        of = f" of {steps}" if steps is not None else ""
+        return (f"distribute_datasets_from_function: the input pipelines (workers) {dry} {what} while others "
+                f"still have data (step {step}{of}; raised on every worker). A worker whose data runs out gets "
+                f"empty batches shaped like its last one, so each worker needs at least one batch.")
+
+
+class InputExhaustedError(ValueError):
+    """Raised on every worker when one worker's input cannot take part in a step (see
+    ``DistributedDatasetsFromFunction``)."""

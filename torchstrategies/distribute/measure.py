@@ -43,7 +43,10 @@ def measure_aggregation(
             res = {}
             for m in list(AggregationMethod)[:3]:
                 ops = ReductionToOneDevice(accumulation_fn=m)
-                res[m.name] = _median_time(lambda ops=ops, v=value: ops.reduce("sum", v, "cpu"), repeats)
+                def run(ops: ReductionToOneDevice = ops, v: PerReplica = value) -> object:
+                    return ops.reduce("sum", v, "cpu")
+
+                res[m.name] = _median_time(run, repeats)
             rows.append((n, size, res))
     return rows
 

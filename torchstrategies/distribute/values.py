@@ -145,6 +145,8 @@ def regroup(per_replica_outputs: Sequence[Any], wrap_class: type = PerReplica) -
             grouped.append(first)
         else:
             grouped.append(wrap_class(comps))
+    if spec0 is None:
+        raise ValueError("regroup needs the output of at least one replica, got none")
     return pytree.tree_unflatten(grouped, spec0)
 
 

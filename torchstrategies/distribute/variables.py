@@ -261,8 +261,8 @@ for _name in (
     "__ne__",
 ):
     setattr(Variable, _name, _binop(_name))
-Variable.__neg__ = lambda self: -self._read()  # type: ignore[attr-defined,assignment]
-Variable.__abs__ = lambda self: abs(self._read())  # type: ignore[attr-defined,assignment]
+setattr(Variable, "__neg__", lambda self: -self._read())  # noqa: B010 - as the loop above, outside the class body
+setattr(Variable, "__abs__", lambda self: abs(self._read()))  # noqa: B010
 Variable.__hash__ = object.__hash__  # type: ignore[assignment]
 
 

@@ -18,8 +18,8 @@ keeps the result exact).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -62,7 +62,7 @@ class WorkerBatchSampler:
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.num_samples, generator=g).tolist()
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         order = self._order()
         start, self.skip = self.skip, 0
         for b in range(start, len(self)):
@@ -118,8 +118,8 @@ class WorkerShardedDataset:
             raise ValueError("experimental_distribute_dataset needs a DataLoader with batch_size (the global batch)")
         shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
         self.global_batch_size = loader.batch_size
-        self.sampler = WorkerBatchSampler(len(loader.dataset), loader.batch_size, world, rank, shuffle, seed,
-                                          loader.drop_last)
+        self.sampler = WorkerBatchSampler(len(cast(Sized, loader.dataset)), loader.batch_size, world, rank, shuffle,
+                                          seed, loader.drop_last)
         self._loader = DataLoader(
             _EmptyAware(loader.dataset), batch_sampler=self.sampler, num_workers=loader.num_workers,
             collate_fn=_EmptyAwareCollate(loader.collate_fn), pin_memory=loader.pin_memory, timeout=loader.timeout,

@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,7 +84,7 @@ class CentralStorageStrategy(Strategy):
         super().__init__(CentralStorageExtended(compute_devices, ops, parameter_device=parameter_device))
 
     def __repr__(self) -> str:
-        ext = self._extended
+        ext = cast(CentralStorageExtended, self._extended)
         return (
             f"CentralStorageStrategy(compute_devices={list(ext._device_names)!r}, "
             f"parameter_device={str(ext._variable_device)!r})"

@@ -23,7 +23,7 @@ import logging
 import types
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -372,4 +372,4 @@ class MirroredStrategy(Strategy):
         super().__init__(MirroredExtended(devices, cross_device_ops))
 
     def __repr__(self) -> str:
-        return f"MirroredStrategy(devices={list(self._extended._device_names)!r})"
+        return f"MirroredStrategy(devices={list(cast(MirroredExtended, self._extended)._device_names)!r})"

@@ -137,7 +137,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._synchronizers: list[GradientSynchronizer] = []
         self._comm_hook: Any = None if self._compression is None else CompressionHook(self._compression)
         self._synced_params: set[int] = set()
-        self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
@@ -257,7 +256,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             module.to(self._device)
         tensors = [p.data for p in params] + [b for b in module.buffers()]
         self.broadcast_tensors(tensors, src=0)
-        self._modules.append(weakref.ref(module))
         trainable = [p for p in params if p.requires_grad]
         if trainable:
             hook = self._comm_hook
@@ -319,9 +317,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def gradient_synchronizers(self) -> tuple[GradientSynchronizer, ...]:
         return tuple(self._synchronizers)
 
-    def tracked_modules(self) -> list[torch.nn.Module]:
-        return [m for m in (r() for r in self._modules) if m is not None]
-
     # --- communication ------------------------------------------------------------------------------------
     def _guard(self, fn: Callable[[], Any], what: str) -> Any:
         self._health.seq += 1
@@ -374,6 +369,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     # --- input --------------------------------------------------------------------------------------------
     def _input_workers(self) -> tuple[int, int]:
         return self._world, self._rank
+
+    def _input_max_over_pipelines(self, values: list[int]) -> list[int]:
+        flags = torch.tensor(values, dtype=torch.int64, device=self._device)
+        (out,) = self._all_reduce_tensors(ReduceOp.MAX, [flags])
+        return [int(v) for v in out.tolist()]
 
     def _shared_seed(self) -> int:
         seed = torch.tensor([int(torch.randint(0, 2**31 - 1, (1,)).item())], dtype=torch.int64)
