@@ -95,7 +95,9 @@ def _merge_name(merge_fn: Any) -> str:
 class _Run:
     """One ``call_for_each_replica``: its replicas, their workers, the slots and the first error."""
 
-    __slots__ = ("strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over")
+    __slots__ = (
+        "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
+    )
 
     def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
         self.strategy = strategy
@@ -108,6 +110,7 @@ class _Run:
         self.threaded = False  # replicas 1..n-1 run on workers (replica 0 reached a merge_call)
         self.error: BaseException | None = None  # raised by every later merge_call and by the run
         self.over = False
+        self.arrived = 0  # replicas waiting in the current merge_call
 
     def fail(self, error: BaseException) -> BaseException:
         if self.error is None:
@@ -120,7 +123,7 @@ class _Replica:
 
     __slots__ = (
         "run", "index", "replica_id", "fn", "args", "kwargs", "worker", "result", "done", "exc", "stop",
-        "merge_fn", "merge_args", "merge_kwargs", "merge_result",
+        "merge_fn", "merge_args", "merge_kwargs", "merge_result", "waiting",
     )
 
     def __init__(self, run: _Run, index: int, replica_id: int, fn: Callable[..., Any], args: tuple,
@@ -138,6 +141,7 @@ class _Replica:
         self.merge_args: tuple = ()
         self.merge_kwargs: dict = {}
         self.merge_result: Any = None
+        self.waiting = False  # arrived at a merge_call that has not run yet
 
     def call(self) -> None:
         """Runs ``fn`` in this replica's context in the current thread (whose torch state is set)."""
@@ -268,13 +272,30 @@ def in_replica_thread() -> bool:
 
 
 def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Pauses this replica until every replica reached its merge_call and the merge ran; returns our part."""
+    """Pauses this replica until every replica reached its merge_call and the merge ran; returns our part.
+
+    The replica that arrives last runs the merge function itself (in cross-replica context) and goes on
+    without a hand-over; the others wait for it.
+    """
     r = _current_replica()
     assert r is not None
     run = r.run
     if run.error is not None:
         raise run.error
+    if not run.threaded and r.index != 0:  # in the calling thread after replica 0 finished without one
+        raise run.fail(
+            RuntimeError(
+                f"{_MISMATCH}: replica {r.index} called merge_call({_merge_name(merge_fn)}) but replica 0 "
+                f"finished without any ({_SYNC_HINT})."
+            )
+        )
+    run.threaded = True
     r.merge_fn, r.merge_args, r.merge_kwargs = merge_fn, args, kwargs
+    r.waiting = True
+    run.arrived += 1
+    if run.arrived == run.n:
+        _merge_here(run, r)
+        return r.merge_result
     w = r.worker
     if w is not None:  # on a worker: hand control back to the scheduling thread until the merge ran
         grad = torch.is_grad_enabled()
@@ -284,52 +305,59 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
         if r.stop:
             raise _RequestedStop()
         return r.merge_result
-    if r.index != 0:  # in the calling thread after replica 0 finished without a merge_call
-        raise run.fail(
-            RuntimeError(
-                f"{_MISMATCH}: replica {r.index} called merge_call({_merge_name(merge_fn)}) but replica 0 "
-                f"finished without any ({_SYNC_HINT})."
-            )
-        )
-    return _merge_from_replica_0(run, r)
-
-
-def _merge_from_replica_0(run: _Run, r0: _Replica) -> Any:
-    """Replica 0 (calling thread) reached a merge_call: brings replicas 1..n-1 to theirs, merges."""
-    run.threaded = True
+    # Replica 0 in the calling thread (or a thread acting for it): the workers run until one merged.
     slots = run.slots
     grad = torch.is_grad_enabled()
     if slots is not None:
         slots.deactivate()
     try:
         for i in range(1, run.n):
-            r = _resume(run, i, None)
-            if r.done:
-                raise run.fail(RuntimeError(_count_mismatch(run)))
-        _merge(run)
+            ri = run.replicas[i]
+            if ri.done:
+                break  # finished without this merge_call: a mismatch
+            if not ri.waiting:
+                _resume(run, i, None)
+            if not r.waiting:
+                break  # merged (by replica i); the rest go on after replica 0
+        if r.waiting:
+            raise run.fail(RuntimeError(_count_mismatch(run)))
     except BaseException as e:
-        if not isinstance(e, _RequestedStop):
-            run.fail(e)
+        run.fail(e)
         raise
     finally:
         if slots is not None:
             slots.activate(0)
         torch.set_grad_enabled(grad)
-    return r0.merge_result
+    return r.merge_result
+
+
+def _merge_here(run: _Run, r: _Replica) -> None:
+    """The last replica to arrive runs the merge in its own thread (its replica view swapped out)."""
+    slots = run.slots
+    if slots is not None:
+        slots.deactivate()
+    try:
+        _merge(run)
+    except BaseException as e:
+        raise run.fail(e) from None
+    finally:
+        if slots is not None:
+            slots.activate(r.index)
 
 
 def _count_mismatch(run: _Run) -> str:
     done = [r.index for r in run.replicas if r.done]
-    waiting = [r.index for r in run.replicas if not r.done]
+    waiting = [r.index for r in run.replicas if r.waiting]
+    merge = _merge_name(run.replicas[waiting[0]].merge_fn) if waiting else "?"
     return (
-        f"{_MISMATCH}: replicas {done} finished while replicas {waiting} wait in merge_call "
-        f"({_merge_name(run.replicas[waiting[0]].merge_fn)}) ({_SYNC_HINT})."
+        f"{_MISMATCH}: replicas {done} finished while replicas {waiting} wait in merge_call({merge}) "
+        f"({_SYNC_HINT})."
     )
 
 
 def _resume(run: _Run, i: int, timeout: float | None) -> _Replica:
     """Lets replica ``i`` run on its worker (taken from the pool at its first turn) until it pauses or
-    ends; raises what it raised."""
+    ends; raises what it (or a merge it ran) raised."""
     r = run.replicas[i]
     w = run.workers[i]
     if w is None:
@@ -349,8 +377,10 @@ def _resume(run: _Run, i: int, timeout: float | None) -> _Replica:
     finally:
         if slots is not None:
             slots.deactivate()
+    if run.error is not None:
+        raise run.error
     if r.exc is not None:
-        raise r.exc
+        raise run.fail(r.exc)
     return r
 
 
@@ -358,6 +388,7 @@ def _merge(run: _Run) -> None:
     """Calls the merge function once in cross-replica context; gives each replica its part."""
     replicas = run.replicas
     strategy = run.strategy
+    run.arrived = 0
     if run.slots is not None:
         run.slots.fold_buffers()
     if all(not r.merge_args and not r.merge_kwargs for r in replicas):
@@ -379,13 +410,11 @@ def _merge(run: _Run) -> None:
         pop_mode(mode)
         torch.set_grad_enabled(grad)
         _local.replica, _acting.replica = local, acting
-    if run.n == 1:
-        replicas[0].merge_result = result
-        replicas[0].merge_fn, replicas[0].merge_args, replicas[0].merge_kwargs = None, (), {}
-        return
+    single = run.n == 1
     for i, r in enumerate(replicas):
-        r.merge_result = select_replica(i, result)
+        r.merge_result = result if single else select_replica(i, result)
         r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
+        r.waiting = False
 
 
 def _run_inline(run: _Run, r: _Replica) -> None:
@@ -427,8 +456,12 @@ def call_for_each_replica(
     n = ext._num_local_replicas
     offset = ext._replica_id_offset
     run = _Run(strategy, n, slots, TorchState())
-    if (type(args) is tuple and type(kwargs) is dict and not kwargs
-            and not any(isinstance(a, (list, tuple, dict)) for a in args)):
+    if (
+        type(args) is tuple
+        and type(kwargs) is dict
+        and not kwargs
+        and not any(isinstance(a, (list, tuple, dict)) for a in args)
+    ):
         run.replicas = [
             _Replica(run, i, offset + i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)
         ]
@@ -440,28 +473,24 @@ def call_for_each_replica(
         return _run_on_workers(run, timeout)
     grad = run.ts.grad
     try:
-        try:
-            _run_inline(run, run.replicas[0])
-        except BaseException:
-            if run.error is not None and not isinstance(run.error, _RequestedStop):
-                raise run.error from None
-            raise
-        if run.error is not None:  # replica 0 caught it: still the run's error
-            raise run.error
-        for i in range(1, n):
-            if run.threaded:
-                if not _resume(run, i, None).done:
-                    raise run.fail(RuntimeError(_count_mismatch(run)))
-            else:
-                torch.set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
+        for i in range(n):
+            r = run.replicas[i]
+            if i == 0 or not run.threaded:
+                if i:
+                    torch.set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
                 try:
-                    _run_inline(run, run.replicas[i])
+                    _run_inline(run, r)
                 except BaseException:
                     if run.error is not None:
                         raise run.error from None
                     raise
-                if run.error is not None:
-                    raise run.error
+            elif not r.done:
+                if r.waiting:  # it went on to a merge_call that replica 0 never made
+                    raise run.fail(RuntimeError(_count_mismatch(run)))
+                if not _resume(run, i, None).done:
+                    raise run.fail(RuntimeError(_count_mismatch(run)))
+            if run.error is not None:  # a replica caught it: still the run's error
+                raise run.error
     finally:
         run.over = True
         torch.set_grad_enabled(grad)
@@ -473,19 +502,21 @@ def call_for_each_replica(
 
 
 def _run_on_workers(run: _Run, timeout: float | None) -> Any:
-    """Every replica on a worker thread; the calling thread schedules and merges (``timeout`` applies)."""
+    """Every replica on a worker thread; the calling thread schedules (``timeout`` applies)."""
     replicas = run.replicas
     run.threaded = True
     try:
         while True:
+            progressed = False
             for i in range(run.n):
-                _resume(run, i, timeout)
-            done = [r.done for r in replicas]
-            if all(done):
+                r = replicas[i]
+                if not r.done and not r.waiting:
+                    _resume(run, i, timeout)
+                    progressed = True
+            if all(r.done for r in replicas):
                 break
-            if any(done):
-                raise RuntimeError(_count_mismatch(run))
-            _merge(run)
+            if not progressed:  # every replica finished or waits for one that finished
+                raise run.fail(RuntimeError(_count_mismatch(run)))
     finally:
         run.over = True
         _finish(run)
