@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
@@ -85,6 +86,7 @@ def _is_leaf(x: Any) -> bool:
 
 
 _CONTAINERS = (list, tuple, dict)
+_PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, complex})
 
 
 def _component(x: Any, replica_id: int) -> Any:
@@ -127,6 +129,15 @@ def regroup(per_replica_outputs: Sequence[Any], wrap_class: type = PerReplica) -
     Raises:
         ValueError: the replicas returned structures of different shapes.
     """
+    first = per_replica_outputs[0]
+    if first is None or type(first) in _PLAIN_LEAVES or isinstance(first, DistributedValues):
+        # The common results (None, a tensor, a number): leaves themselves, no pytree walk.
+        if all(o is first for o in per_replica_outputs):
+            return first
+        if first is not None and all(
+            type(o) in _PLAIN_LEAVES or isinstance(o, DistributedValues) for o in per_replica_outputs
+        ):
+            return wrap_class(tuple(per_replica_outputs))
     flats = []
     spec0 = None
     for i, out in enumerate(per_replica_outputs):

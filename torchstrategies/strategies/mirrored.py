@@ -169,11 +169,19 @@ class MirroredExtended(StrategyExtended):
             if root is None:
                 continue
             roots.append(r)
-            for m in root.modules():
+            stack = [root]
+            seen: set[int] = set()
+            while stack:  # root.modules() in pre-order, without its generators and name prefixes
+                m = stack.pop()
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
                 if m._parameters:
                     params.extend(m._parameters.values())
                 if m._buffers:
                     buffers.extend(m._buffers.values())
+                if m._modules:
+                    stack.extend(c for c in reversed(m._modules.values()) if c is not None)
         self._roots = roots
         opts = []
         for o in self._optimizers:
