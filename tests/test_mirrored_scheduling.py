@@ -110,3 +110,21 @@ def test_calling_thread_path_equals_worker_path_equals_one_device(n):
         assert len(threads) == n_threads, schedule
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=schedule)
+
+
+def test_per_replica_values_inside_a_registered_pytree_node_are_unwrapped_per_replica():
+    import dataclasses
+
+    from torch.utils import _pytree as pytree
+
+    @dataclasses.dataclass
+    class Batch:
+        x: object
+
+    pytree.register_dataclass(Batch)
+    for s in (ts.OneDeviceStrategy("cpu"), ts.MirroredStrategy(num_replicas=2)):
+        v = s.experimental_distribute_values_from_function(
+            lambda c: torch.tensor(float(c.replica_id_in_sync_group))
+        )
+        out = s.experimental_local_results(s.run(lambda b: b.x * 2, args=(Batch(v),)))
+        assert [float(o) for o in out] == [2.0 * i for i in range(s.num_replicas_in_sync)]

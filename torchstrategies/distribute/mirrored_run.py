@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
-from torchstrategies.distribute.values import _component, regroup, select_replica
+from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
 
 __all__ = [
@@ -460,7 +460,7 @@ def call_for_each_replica(
         type(args) is tuple
         and type(kwargs) is dict
         and not kwargs
-        and not any(isinstance(a, (list, tuple, dict)) for a in args)
+        and not any(_nested(a) for a in args)
     ):
         run.replicas = [
             _Replica(run, i, offset + i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)

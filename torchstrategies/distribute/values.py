@@ -100,6 +100,11 @@ def _component(x: Any, replica_id: int) -> Any:
     return x
 
 
+def _nested(x: Any) -> bool:
+    """Whether ``x`` is a pytree container (which may hold DistributedValues), not a leaf."""
+    return isinstance(x, _CONTAINERS) or type(x) in pytree.SUPPORTED_NODES
+
+
 def select_replica(replica_id: int, structure: Any) -> Any:
     """Replaces every DistributedValues in ``structure`` by its component for ``replica_id``."""
 
@@ -108,8 +113,8 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         and len(structure) == 2
         and type(structure[0]) is tuple
         and type(structure[1]) is dict
-        and not any(isinstance(a, _CONTAINERS) for a in structure[0])
-        and not any(isinstance(a, _CONTAINERS) for a in structure[1].values())
+        and not any(_nested(a) for a in structure[0])
+        and not any(_nested(a) for a in structure[1].values())
     ):  # the (args, kwargs) of a run with flat arguments: no pytree walk
         args, kwargs = structure
         return (
