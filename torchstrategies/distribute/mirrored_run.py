@@ -58,6 +58,10 @@ _SYNC_HINT = (
 )
 
 
+# Merge results every replica receives as they are (select_replica would return them unchanged).
+_SHARED_RESULTS = frozenset({torch.Tensor, int, float, bool, str})
+
+
 class _RequestedStop(Exception):
     pass
 
@@ -410,7 +414,7 @@ def _merge(run: _Run) -> None:
         pop_mode(mode)
         torch.set_grad_enabled(grad)
         _local.replica, _acting.replica = local, acting
-    single = run.n == 1
+    single = run.n == 1 or result is None or type(result) in _SHARED_RESULTS
     for i, r in enumerate(replicas):
         r.merge_result = result if single else select_replica(i, result)
         r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
