@@ -73,7 +73,7 @@ Recipe: variables elsewhere (ParameterServerStrategy)
     ``_on_optimizer_created`` to route the update to the servers; ``_call_for_each_replica`` is called by
     the coordinator's closures.
 In-process replicas (Mirrored, CentralStorage)
-    ``strategies/mirrored.py``'s ``MirroredExtended`` runs replicas in threads (``distribute/mirrored_run``)
+    ``strategies/mirrored.py``'s ``MirroredExtended`` runs replicas one at a time (``distribute/mirrored_run``)
     and replicates parameters/buffers (``distribute/replicated.py``); subclass it for such strategies.
 
 Contexts follow TF: ``reduce``/``gather``/``extended.reduce_to`` need cross-replica context (inside

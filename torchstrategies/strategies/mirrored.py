@@ -385,8 +385,9 @@ class MirroredExtended(StrategyExtended):
 class MirroredStrategy(Strategy):
     """Synchronous training on several devices of one process (``tf.distribute.MirroredStrategy``).
 
-    One replica per device, each running ``fn`` in its own thread (one at a time, as TF does). Parameters
-    created in ``scope()`` are mirrored: replica i computes with its own copy on device i; inside ``run``,
+    One replica per device, running ``fn`` one at a time as TF does (replica 0 in the calling thread; the
+    others there too, or on worker threads once replica 0 reaches a merge_call). Parameters created in
+    ``scope()`` are mirrored: replica i computes with its own copy on device i; inside ``run``,
     ``optimizer.step()`` sums the replicas' gradients with ``cross_device_ops`` and applies one update
     that every replica sees. Buffers are sync-on-read (MEAN).
 
