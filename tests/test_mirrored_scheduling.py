@@ -128,3 +128,29 @@ def test_per_replica_values_inside_a_registered_pytree_node_are_unwrapped_per_re
         )
         out = s.experimental_local_results(s.run(lambda b: b.x * 2, args=(Batch(v),)))
         assert [float(o) for o in out] == [2.0 * i for i in range(s.num_replicas_in_sync)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_local_gradient_sum_is_bit_for_bit_the_cross_device_ops_reduction(dtype):
+    """On one device the gradients are summed directly (foreach adds for float32/float64, the kernel for
+    the others); a ReductionToOneDevice with an explicit device takes the general batch_reduce path."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 5).to(dtype)
+    got = []
+    for ops in (None, ts.ReductionToOneDevice(reduce_to_device="cpu")):
+        s = ts.MirroredStrategy(num_replicas=3, cross_device_ops=ops)
+        with s.scope():
+            torch.manual_seed(1)
+            model = torch.nn.Linear(5, 3).to(dtype)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(xb):
+            opt.zero_grad()
+            model(xb).pow(2).sum().backward()
+            opt.step()
+
+        xs = s.experimental_distribute_values_from_function(lambda c: x[3 * c.replica_id_in_sync_group :][:3])
+        s.run(step, args=(xs,))
+        got.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
