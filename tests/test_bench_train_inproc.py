@@ -14,12 +14,22 @@ def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhe
     names = [r["runner"] for r in rows]
     assert names == [
         "in-process overhead: torch",
+        "in-process overhead: torch, 2 slices",
+        "in-process overhead: torch, 3 slices",
         "in-process overhead: OneDevice",
         "in-process overhead: Mirrored(1)",
         "in-process overhead: Mirrored(2)",
         "in-process overhead: Mirrored(3)",
     ]
-    assert "overhead us/replica" not in rows[0]
-    assert all(isinstance(r["overhead us/replica"], float) for r in rows[1:])
+    assert all("overhead us/replica" not in r for r in rows[:3])
+    by = {r["runner"]: r for r in rows}
+    for r in rows[3:]:
+        assert isinstance(r["overhead us/replica"], float)
+        assert isinstance(r["above 1-pass torch us/replica"], float)
+    # the columns are what they say: (step - reference) / replicas, from the rows' own step times
+    ms = {k: by[f"in-process overhead: {k}"]["ms/step"] for k in ("Mirrored(2)", "torch, 2 slices", "torch")}
+    m2 = by["in-process overhead: Mirrored(2)"]
+    assert m2["overhead us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch, 2 slices"]) / 2)
+    assert m2["above 1-pass torch us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch"]) / 2)
     assert all(r["samples/s"] > 0 and r["ms/step"] > 0 for r in rows)
 

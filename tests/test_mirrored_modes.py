@@ -46,14 +46,52 @@ def test_autocast_no_grad_and_inference_mode_around_run_reach_every_replica(name
     assert all(o == (True, False, False, None, threads) for o in outs)
 
 
+def _modes_after_a_sync_point() -> tuple:
+    rc = ts.get_replica_context()
+    before = _modes()
+    rc.merge_call(lambda strategy: None)  # replicas 1.. now run on worker threads
+    return before, _modes(), rc.replica_id_in_sync_group
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("sync", [False, True], ids=["calling-thread", "workers"])
+def test_modes_reach_every_replica_on_both_paths_and_do_not_leak(name, sync):
+    s = STRATEGIES[name]()
+    fn = _modes_after_a_sync_point if sync else (lambda: (_modes(), _modes(), None))
+    threads = torch.get_num_threads()
+    cases = [
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16), (True, False, True, torch.bfloat16, threads)),
+        (torch.no_grad, (False, False, False, None, threads)),
+        (torch.inference_mode, (False, True, False, None, threads)),
+    ]
+    for make, want in cases:
+        with make():
+            outs = s.experimental_local_results(s.run(fn))
+        assert [o[:2] for o in outs] == [(want, want)] * len(outs)
+
+    def leaks():  # replica 0 switches grad mode off for good; neither replica 1 nor the caller sees it
+        before = _modes()
+        if ts.get_replica_context().replica_id_in_sync_group == 0:
+            torch.set_grad_enabled(False)
+        if sync:
+            ts.get_replica_context().merge_call(lambda strategy: None)
+        return before
+
+    outs = s.experimental_local_results(s.run(leaks))
+    assert all(o == (True, False, False, None, threads) for o in outs)
+    assert torch.is_grad_enabled()
+
+
 def test_replica_threads_are_reused_across_runs_and_after_an_error():
     s = ts.MirroredStrategy(num_replicas=3)
 
     def ident():
+        ts.get_replica_context().merge_call(lambda strategy: None)  # a sync point: replicas 1, 2 on workers
         return threading.get_ident()
 
-    first = set(s.experimental_local_results(s.run(ident)))
-    assert len(first) == 3
+    first = s.experimental_local_results(s.run(ident))
+    assert first[0] == threading.get_ident()  # replica 0 runs in the calling thread
+    assert len(set(first)) == 3
 
     def fail():
         if ts.get_replica_context().replica_id_in_sync_group == 1:
@@ -63,7 +101,15 @@ def test_replica_threads_are_reused_across_runs_and_after_an_error():
     with pytest.raises(KeyError, match="replica 1 failed"):
         s.run(fail)
     for _ in range(3):
-        assert set(s.experimental_local_results(s.run(ident))) == first
+        assert set(s.experimental_local_results(s.run(ident))) == set(first)
+
+
+def test_without_a_sync_point_every_replica_runs_in_the_calling_thread():
+    s = ts.MirroredStrategy(num_replicas=3)
+    outs = s.experimental_local_results(
+        s.run(lambda: (threading.get_ident(), ts.get_replica_context().replica_id_in_sync_group))
+    )
+    assert outs == tuple((threading.get_ident(), i) for i in range(3))
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

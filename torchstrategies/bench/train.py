@@ -260,11 +260,13 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
 
         threads = int(env["OMP_NUM_THREADS"])
         inproc = train_inproc.rows(steps=steps, warmup=warmup, rounds=rounds, threads=threads)
-        rows.extend({c: r.get(c, "") for c in columns + ["steps/s", "overhead us/replica"]} for r in inproc)
-        columns += ["steps/s", "overhead us/replica"]
+        extra = ["steps/s", "overhead us/replica", "above 1-pass torch us/replica"]
+        rows.extend({c: r.get(c, "") for c in columns + extra} for r in inproc)
+        columns += extra
         notes_extra.append("in-process rows: measured in this process after the torchrun job, "
                            f"{threads} torch thread(s) as OMP_NUM_THREADS; overhead rows: MLP 64-64-10, "
-                           "global batch 32, '(step - plain torch step) / replicas'; compiled rows: MLP "
+                           "global batch 32, overhead = '(step - plain torch step on the same N batch slices) / N "
+                           "replicas'; compiled rows: MLP "
                            f"{'-'.join(map(str, SIZES))}, global batch 64, model compiled in scope")
 
     return BenchResult(

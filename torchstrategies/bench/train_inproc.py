@@ -3,9 +3,13 @@
 Two groups, measured in the calling process (one intra-op thread unless OMP_NUM_THREADS says otherwise),
 interleaved over ``rounds`` (medians):
 
-* overhead: the MLP 64-64-10, global batch 32, SGD, ``zero_grad`` / forward / backward / step, as plain
-  torch and under OneDeviceStrategy and MirroredStrategy with 1, 2 and 3 replicas. The ``overhead
-  us/replica`` column is ``(step time - plain torch step time) / replicas``: the strategy's own cost.
+* overhead: the MLP 64-64-10, global batch 32, SGD, ``zero_grad`` / forward / backward / step, under
+  OneDeviceStrategy and MirroredStrategy with 1, 2 and 3 replicas, and as plain torch doing the same work:
+  the global batch in N slices (one forward/backward per slice, gradients accumulated, one step; N = 1 is
+  the ordinary full-batch step), loss ``sum / global batch`` as ``compute_average_loss`` computes it. The
+  ``overhead us/replica`` column is ``(step time - plain torch N-slice step time) / N`` for N replicas:
+  the strategy's own cost. ``above 1-pass torch us/replica`` is ``(step time - full-batch torch step) /
+  N``, which also counts the extra forward/backward passes N replicas make on N smaller batches.
 * compile: the MLP 784-1024-1024-10, global batch 64, as plain torch and MirroredStrategy(2) on CPU,
   eager and ``torch.compile``-d (the model compiled inside the scope). ``steps/s`` compares with TF 2.21
   MirroredStrategy's figure for the same model measured elsewhere.
@@ -51,13 +55,23 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
         model = _mlp(sizes)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         fwd = torch.compile(model) if compiled else model
+        if replicas == 1:
 
-        def plain() -> None:
+            def plain() -> None:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(fwd(x), y, reduction="none").sum().div(batch).backward()
+                opt.step()
+
+            return plain
+        slices = list(zip(x.chunk(replicas), y.chunk(replicas), strict=True))
+
+        def sliced() -> None:  # what N replicas compute, in one thread: N passes, one step
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(fwd(x), y).backward()
+            for xb, yb in slices:
+                torch.nn.functional.cross_entropy(fwd(xb), yb, reduction="none").sum().div(batch).backward()
             opt.step()
 
-        return plain
+        return sliced
     strategy: Any = (
         ts.OneDeviceStrategy("cpu") if kind == "one_device" else ts.MirroredStrategy(num_replicas=replicas)
     )
@@ -123,6 +137,8 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str]) -> list[d
         s = OVERHEAD_SIZES
         cases += [
             ("overhead", "in-process overhead: torch", "torch", 1, s, 32, False),
+            ("overhead", "in-process overhead: torch, 2 slices", "torch", 2, s, 32, False),
+            ("overhead", "in-process overhead: torch, 3 slices", "torch", 3, s, 32, False),
             ("overhead", "in-process overhead: OneDevice", "one_device", 1, s, 32, False),
             ("overhead", "in-process overhead: Mirrored(1)", "mirrored", 1, s, 32, False),
             ("overhead", "in-process overhead: Mirrored(2)", "mirrored", 2, s, 32, False),
@@ -142,12 +158,15 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str]) -> list[d
     for _ in range(rounds):
         for c in cases:
             times[c[1]].append(_time(fns[c[1]], steps_of[c[0]], warmup if c[0] == "overhead" else 3))
-    base = {"overhead": "in-process overhead: torch", "compile": "in-process torch eager"}
+    plain = {  # plain torch doing the work of N replicas
+        c[3]: median(times[c[1]]) for c in cases if c[0] == "overhead" and c[2] == "torch"
+    }
     out = []
-    for group, name, _kind, replicas, _sizes, batch, _compiled in cases:
+    for group, name, kind, replicas, _sizes, batch, _compiled in cases:
         t = median(times[name])
         row: dict[str, Any] = {"runner": name, "samples/s": batch / t, "ms/step": 1e3 * t, "steps/s": 1.0 / t}
-        if group == "overhead" and name != base["overhead"]:
-            row["overhead us/replica"] = 1e6 * (t - median(times[base["overhead"]])) / replicas
+        if group == "overhead" and kind != "torch":
+            row["overhead us/replica"] = 1e6 * (t - plain[replicas]) / replicas
+            row["above 1-pass torch us/replica"] = 1e6 * (t - plain[1]) / replicas
         out.append(row)
     return out

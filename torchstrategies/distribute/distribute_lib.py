@@ -73,7 +73,7 @@ Recipe: variables elsewhere (ParameterServerStrategy)
     ``_on_optimizer_created`` to route the update to the servers; ``_call_for_each_replica`` is called by
     the coordinator's closures.
 In-process replicas (Mirrored, CentralStorage)
-    ``strategies/mirrored.py``'s ``MirroredExtended`` runs replicas in threads (``distribute/mirrored_run``)
+    ``strategies/mirrored.py``'s ``MirroredExtended`` runs replicas one at a time (``distribute/mirrored_run``)
     and replicates parameters/buffers (``distribute/replicated.py``); subclass it for such strategies.
 
 Contexts follow TF: ``reduce``/``gather``/``extended.reduce_to`` need cross-replica context (inside
@@ -110,6 +110,8 @@ from torchstrategies.distribute.values import (
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "require_cross_replica"]
+
+_NESTED = (DistributedValues, list, tuple, dict)  # run arguments that may hold per-replica values
 
 
 def _wrong_strategy_scope(strategy: Strategy, mode: _Mode) -> None:
@@ -529,7 +531,8 @@ class StrategyExtended:
     # -- running ----------------------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         strategy = self._container_strategy()
-        args, kwargs = select_replica(0, (args, kwargs))
+        if kwargs or any(isinstance(a, _NESTED) or type(a) in pytree.SUPPORTED_NODES for a in args):
+            args, kwargs = select_replica(0, (args, kwargs))
         with ReplicaContext(strategy, self._replica_id_offset, 0):
             return fn(*args, **kwargs)
 
@@ -620,6 +623,8 @@ class StrategyExtended:
 
     def _flush_created(self) -> None:
         """Hands fully constructed root modules made in scope to ``_on_module_created``."""
+        if not self._tracked_modules:  # nothing made in scope since the last flush (every run checks)
+            return
         with self._lock:
             mods = [m for m in (r() for r in self._tracked_modules) if m is not None]
             self._tracked_modules.clear()

@@ -1,32 +1,45 @@
-"""Running a function once per local replica, each in its own thread, with ``merge_call`` (TF's mirrored_run).
+"""Running a function once per local replica, with ``merge_call`` (TF's mirrored_run).
 
-As in TF, the replica threads run ONE AT A TIME: the main thread lets replica 0 run until it finishes or
-pauses in ``merge_call``, then replica 1, and so on. When every replica has paused in a merge_call, the
-main thread calls the merge function once in cross-replica context with the replicas' arguments grouped
-into PerReplica values, hands each replica its component of the result, and resumes them. Running one at
-a time makes the result deterministic, the per-replica state thread-safe, and lets the scheduler swap each
-replica's view of the parameters in and out (``replicated.ReplicaSlots``) at every hand-over. If some
-replicas finish while others wait in merge_call, a RuntimeError is raised ("Some replicas made a different
-number of replica_context().merge_call() calls") instead of hanging; an optional timeout turns a replica
-that never pauses into ``DeadlineExceededError``.
+As in TF, the replicas run ONE AT A TIME, in replica order, and every replica must make the same
+synchronizing calls (``merge_call``: ``optimizer.step()``, ``ReplicaContext.all_reduce``, SyncBatchNorm's
+statistics, ``compute_average_loss`` without a batch size, GradScaler's inf check). The scheduler:
 
-The replica threads are persistent workers taken from a process-wide pool (a ``run`` does not start
-threads); the hand-over is a pair of locks per worker. The caller's thread-local torch state (grad mode,
-inference mode, autocast per device type, intra-op thread count) is entered around ``fn`` in every replica.
+* Replica 0 runs in the CALLING thread. If it finishes ``fn`` without a merge_call, no replica needs a
+  thread: replicas 1..N-1 run after it, one by one, in the calling thread too (no thread hand-over at
+  all). One of them that does call merge_call is a mismatch and raises RuntimeError naming the replica
+  and the merge function.
+* If replica 0 calls merge_call, replicas 1..N-1 run on persistent worker threads (taken from a
+  process-wide pool, never started per ``run``): inside replica 0's merge_call the calling thread lets
+  replica 1 run until it pauses in its merge_call, then replica 2, and so on; it then calls the merge
+  function once in cross-replica context with the replicas' arguments grouped into PerReplica values,
+  hands each replica its component of the result and goes on with replica 0. When replica 0 finishes (or
+  reaches its next merge_call) the workers are resumed in order the same way.
+* With ``merge_call_timeout`` set, every replica runs on a worker thread (the calling thread only
+  schedules), so a replica that neither finishes nor pauses within the timeout becomes
+  ``DeadlineExceededError``.
+
+Running one at a time makes the result deterministic, the per-replica state thread-safe, and lets the
+scheduler swap each replica's view of the parameters in and out (``replicated.ReplicaSlots``) at every
+hand-over. If some replicas finish while others wait in merge_call, a RuntimeError is raised ("Some
+replicas made a different number of replica_context().merge_call() calls") instead of hanging.
+
+The caller's thread-local torch state (grad mode, inference mode, autocast per device type, intra-op
+thread count) is what replicas in the calling thread see anyway; it is entered around ``fn`` on every
+worker. A replica's communication may also be made from another thread on its behalf (``acting_for``:
+autograd running SyncBatchNorm's backward on a device thread while the replica waits in ``backward()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
-from torchstrategies.distribute.values import regroup, select_replica
+from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
 
 __all__ = [
@@ -37,6 +50,16 @@ __all__ = [
     "in_replica_thread",
     "TorchState",
 ]
+
+_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls"
+_SYNC_HINT = (
+    "every replica must make the same synchronizing calls, e.g. optimizer.step(), all_reduce, "
+    "compute_average_loss without global_batch_size, SyncBatchNorm in training mode"
+)
+
+
+# Merge results every replica receives as they are (select_replica would return them unchanged).
+_SHARED_RESULTS = frozenset({torch.Tensor, int, float, bool, str})
 
 
 class _RequestedStop(Exception):
@@ -69,14 +92,51 @@ class TorchState:
             stack.enter_context(torch.autocast(dt, dtype=dtype, cache_enabled=self.cache))
 
 
+def _merge_name(merge_fn: Any) -> str:
+    return getattr(merge_fn, "__qualname__", None) or repr(merge_fn)
+
+
+class _Run:
+    """One ``call_for_each_replica``: its replicas, their workers, the slots and the first error."""
+
+    __slots__ = (
+        "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
+    )
+
+    def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
+        self.strategy = strategy
+        self.n = n
+        self.slots = slots
+        self.ts = ts
+        self.replicas: list[_Replica] = []
+        self.workers: list[_Worker | None] = [None] * n
+        self.idle = [True] * n  # whether worker i is waiting (not inside its replica's code)
+        self.threaded = False  # replicas 1..n-1 run on workers (replica 0 reached a merge_call)
+        self.error: BaseException | None = None  # raised by every later merge_call and by the run
+        self.over = False
+        self.arrived = 0  # replicas waiting in the current merge_call
+
+    def fail(self, error: BaseException) -> BaseException:
+        if self.error is None:
+            self.error = error
+        return self.error
+
+
 class _Replica:
     """One replica's part of one ``run``: its function, its merge_call hand-over, its outcome."""
 
-    def __init__(self, strategy: Any, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict, ts: Any):
-        self.strategy = strategy
+    __slots__ = (
+        "run", "index", "replica_id", "fn", "args", "kwargs", "worker", "result", "done", "exc", "stop",
+        "merge_fn", "merge_args", "merge_kwargs", "merge_result", "waiting",
+    )
+
+    def __init__(self, run: _Run, index: int, replica_id: int, fn: Callable[..., Any], args: tuple,
+                 kwargs: dict):
+        self.run = run
         self.index = index
+        self.replica_id = replica_id
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.torch_state = ts
+        self.worker: _Worker | None = None
         self.result: Any = None
         self.done = False
         self.exc: BaseException | None = None
@@ -85,31 +145,38 @@ class _Replica:
         self.merge_args: tuple = ()
         self.merge_kwargs: dict = {}
         self.merge_result: Any = None
+        self.waiting = False  # arrived at a merge_call that has not run yet
 
-    def execute(self) -> None:
+    def call(self) -> None:
+        """Runs ``fn`` in this replica's context in the current thread (whose torch state is set)."""
         from torchstrategies.distribute.distribute_lib import ReplicaContext
 
+        with ReplicaContext(self.run.strategy, self.replica_id, self.index):
+            self.result = self.fn(*self.args, **self.kwargs)
+        self.done = True
+
+    def execute(self) -> None:
+        """The worker-thread body: the caller's torch state entered around ``call``."""
+        _local.replica = self
         try:
             if self.stop:
                 return
-            ext = self.strategy.extended
-            ts = self.torch_state
+            ts = self.run.ts
             if ts.simple:  # only grad mode to carry: no ExitStack
                 torch.set_grad_enabled(ts.grad)
                 if ts.num_threads > 0 and torch.get_num_threads() != ts.num_threads:
                     torch.set_num_threads(ts.num_threads)
-                with ReplicaContext(self.strategy, ext._replica_id_offset + self.index, self.index):
-                    self.result = self.fn(*self.args, **self.kwargs)
+                self.call()
             else:
                 with contextlib.ExitStack() as stack:
                     ts.enter(stack)
-                    with ReplicaContext(self.strategy, ext._replica_id_offset + self.index, self.index):
-                        self.result = self.fn(*self.args, **self.kwargs)
-            self.done = True
+                    self.call()
         except _RequestedStop:
             pass
-        except BaseException as e:  # handed to the main thread
+        except BaseException as e:  # handed to the scheduling thread
             self.exc = e
+        finally:
+            _local.replica = None
 
 
 class _Worker(threading.Thread):
@@ -147,15 +214,14 @@ class _Pool:
         self._idle: list[_Worker] = []
         self._count = 0
 
-    def take(self, n: int) -> list[_Worker]:
+    def take(self) -> _Worker:
         with self._lock:
-            out = [self._idle.pop() for _ in range(min(n, len(self._idle)))]
-            while len(out) < n:
-                self._count += 1
-                w = _Worker(self._count)
-                w.start()
-                out.append(w)
-        return out
+            if self._idle:
+                return self._idle.pop()
+            self._count += 1
+            w = _Worker(self._count)
+        w.start()
+        return w
 
     def give(self, workers: list[_Worker]) -> None:
         with self._lock:
@@ -164,71 +230,210 @@ class _Pool:
 
 _pool = _Pool()
 
-
-_acting = threading.local()
+_local = threading.local()  # .replica: the replica this thread runs now (calling thread or worker)
+_acting = threading.local()  # .replica: the replica this thread communicates for (``acting_for``)
 
 
 @contextlib.contextmanager
-def acting_for(thread: threading.Thread) -> Iterator[None]:
-    """Lets this thread make merge_calls for ``thread``, a replica thread blocked meanwhile (e.g. in
-    ``loss.backward()`` while autograd runs a node on its CUDA device thread). A no-op for other threads.
-
-    ``thread`` is the replica thread as it was when the caller captured it (``threading.current_thread()``
-    inside the replica); the replica it was running then must still be running.
+def acting_for(replica: Any) -> Iterator[None]:
+    """Lets this thread make merge_calls for ``replica``, blocked meanwhile (e.g. in ``loss.backward()``
+    while autograd runs a node on its CUDA device thread). A no-op unless ``replica`` is what
+    ``capture_replica_thread`` returned inside a replica of a running ``run``.
 
     Raises:
         RuntimeError: that replica has finished (its ``run`` is over).
     """
-    previous = getattr(_acting, "worker", None)
-    if isinstance(thread, _Worker):
-        replica = _captured.get(thread)
-        if thread.replica is None or thread.replica is not replica or thread.replica.done:
+    previous = getattr(_acting, "replica", None)
+    if isinstance(replica, _Replica):
+        if replica.done or replica.stop or replica.run.over:
             raise RuntimeError(
-                f"{thread.name}'s replica has finished: cross-replica communication of a replica (e.g. "
+                f"Replica {replica.index} has finished: cross-replica communication of a replica (e.g. "
                 "SyncBatchNorm's backward) must happen inside strategy.run, while every replica runs"
             )
-        _acting.worker = thread
+        _acting.replica = replica
     else:
-        _acting.worker = None
+        _acting.replica = None
     try:
         yield
     finally:
-        _acting.worker = previous
+        _acting.replica = previous
 
 
-def capture_replica_thread() -> threading.Thread:
-    """The current thread, remembered with the replica it runs now (for a later ``acting_for``)."""
-    t = threading.current_thread()
-    if isinstance(t, _Worker):
-        _captured[t] = t.replica
-    return t
+def capture_replica_thread() -> Any:
+    """What ``acting_for`` needs to act for the replica running in this thread now (the thread itself
+    when it runs no replica of an in-process strategy)."""
+    r = getattr(_local, "replica", None)
+    return r if r is not None else threading.current_thread()
 
 
-_captured: weakref.WeakKeyDictionary[_Worker, _Replica | None] = weakref.WeakKeyDictionary()
-
-
-def _replica_worker() -> _Worker | None:
-    t = getattr(_acting, "worker", None) or threading.current_thread()
-    return t if isinstance(t, _Worker) and t.replica is not None else None
+def _current_replica() -> _Replica | None:
+    return getattr(_acting, "replica", None) or getattr(_local, "replica", None)
 
 
 def in_replica_thread() -> bool:
-    return _replica_worker() is not None
+    """Whether this thread runs (or acts for) a replica of an in-process ``run`` now (not its merge)."""
+    return _current_replica() is not None
 
 
 def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Pauses this replica thread until the main thread has run the merge function; returns our part."""
-    t = _replica_worker()
-    assert t is not None and t.replica is not None
-    r = t.replica
+    """Pauses this replica until every replica reached its merge_call and the merge ran; returns our part.
+
+    The replica that arrives last runs the merge function itself (in cross-replica context) and goes on
+    without a hand-over; the others wait for it.
+    """
+    r = _current_replica()
+    assert r is not None
+    run = r.run
+    if run.error is not None:
+        raise run.error
+    if not run.threaded and r.index != 0:  # in the calling thread after replica 0 finished without one
+        raise run.fail(
+            RuntimeError(
+                f"{_MISMATCH}: replica {r.index} called merge_call({_merge_name(merge_fn)}) but replica 0 "
+                f"finished without any ({_SYNC_HINT})."
+            )
+        )
+    run.threaded = True
     r.merge_fn, r.merge_args, r.merge_kwargs = merge_fn, args, kwargs
+    r.waiting = True
+    run.arrived += 1
+    if run.arrived == run.n:
+        _merge_here(run, r)
+        return r.merge_result
+    w = r.worker
+    if w is not None:  # on a worker: hand control back to the scheduling thread until the merge ran
+        grad = torch.is_grad_enabled()
+        w.back.release()
+        w.go.acquire()
+        torch.set_grad_enabled(grad)
+        if r.stop:
+            raise _RequestedStop()
+        return r.merge_result
+    # Replica 0 in the calling thread (or a thread acting for it): the workers run until one merged.
+    slots = run.slots
     grad = torch.is_grad_enabled()
-    t.back.release()
-    t.go.acquire()
-    torch.set_grad_enabled(grad)
-    if r.stop:
-        raise _RequestedStop()
+    if slots is not None:
+        slots.deactivate()
+    try:
+        for i in range(1, run.n):
+            ri = run.replicas[i]
+            if ri.done:
+                break  # finished without this merge_call: a mismatch
+            if not ri.waiting:
+                _resume(run, i, None)
+            if not r.waiting:
+                break  # merged (by replica i); the rest go on after replica 0
+        if r.waiting:
+            raise run.fail(RuntimeError(_count_mismatch(run)))
+    except BaseException as e:
+        run.fail(e)
+        raise
+    finally:
+        if slots is not None:
+            slots.activate(0)
+        torch.set_grad_enabled(grad)
     return r.merge_result
+
+
+def _merge_here(run: _Run, r: _Replica) -> None:
+    """The last replica to arrive runs the merge in its own thread (its replica view swapped out)."""
+    slots = run.slots
+    if slots is not None:
+        slots.deactivate()
+    try:
+        _merge(run)
+    except BaseException as e:
+        raise run.fail(e) from None
+    finally:
+        if slots is not None:
+            slots.activate(r.index)
+
+
+def _count_mismatch(run: _Run) -> str:
+    done = [r.index for r in run.replicas if r.done]
+    waiting = [r.index for r in run.replicas if r.waiting]
+    merge = _merge_name(run.replicas[waiting[0]].merge_fn) if waiting else "?"
+    return (
+        f"{_MISMATCH}: replicas {done} finished while replicas {waiting} wait in merge_call({merge}) "
+        f"({_SYNC_HINT})."
+    )
+
+
+def _resume(run: _Run, i: int, timeout: float | None) -> _Replica:
+    """Lets replica ``i`` run on its worker (taken from the pool at its first turn) until it pauses or
+    ends; raises what it (or a merge it ran) raised."""
+    r = run.replicas[i]
+    w = run.workers[i]
+    if w is None:
+        w = run.workers[i] = _pool.take()
+        w.replica = r
+        r.worker = w
+    slots = run.slots
+    if slots is not None:
+        slots.activate(i)
+    try:
+        run.idle[i] = False
+        if not w.resume(timeout):
+            raise DeadlineExceededError(
+                f"Replica {i} neither finished nor reached merge_call within {timeout} s"
+            )
+        run.idle[i] = True
+    finally:
+        if slots is not None:
+            slots.deactivate()
+    if run.error is not None:
+        raise run.error
+    if r.exc is not None:
+        raise run.fail(r.exc)
+    return r
+
+
+def _merge(run: _Run) -> None:
+    """Calls the merge function once in cross-replica context; gives each replica its part."""
+    replicas = run.replicas
+    strategy = run.strategy
+    run.arrived = 0
+    if run.slots is not None:
+        run.slots.fold_buffers()
+    if all(not r.merge_args and not r.merge_kwargs for r in replicas):
+        merge_args, merge_kwargs = (), {}  # e.g. optimizer.step(): nothing to regroup
+    else:
+        merge_args = regroup([r.merge_args for r in replicas])
+        merge_kwargs = regroup([r.merge_kwargs for r in replicas])
+    mode = _Mode(strategy, None, strategy, is_default=False)
+    local, acting = getattr(_local, "replica", None), getattr(_acting, "replica", None)
+    _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(run.ts.grad)  # the caller's grad mode, as if the merge ran in its thread
+    push_mode(mode)
+    try:
+        merge_fn = replicas[0].merge_fn
+        assert merge_fn is not None
+        result = merge_fn(strategy, *merge_args, **merge_kwargs)
+    finally:
+        pop_mode(mode)
+        torch.set_grad_enabled(grad)
+        _local.replica, _acting.replica = local, acting
+    single = run.n == 1 or result is None or type(result) in _SHARED_RESULTS
+    for i, r in enumerate(replicas):
+        r.merge_result = result if single else select_replica(i, result)
+        r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
+        r.waiting = False
+
+
+def _run_inline(run: _Run, r: _Replica) -> None:
+    """Runs replica ``r`` in the calling thread (its slots view swapped in around it)."""
+    slots = run.slots
+    previous = getattr(_local, "replica", None)
+    _local.replica = r
+    if slots is not None:
+        slots.activate(r.index)
+    try:
+        r.call()
+    finally:
+        if slots is not None:
+            slots.deactivate()
+        _local.replica = previous
 
 
 def call_for_each_replica(
@@ -239,10 +444,12 @@ def call_for_each_replica(
     timeout: float | None = None,
     slots: Any = None,
 ) -> Any:
-    """Runs ``fn`` once per local replica (threads, one at a time) and regroups the results.
+    """Runs ``fn`` once per local replica (one at a time, see the module docstring); regroups the results.
 
     Args:
         slots: a ``ReplicaSlots`` whose replica view is swapped in around each replica's turn, or None.
+        timeout: None, or seconds a replica may run before it finishes or pauses (every replica then runs
+            on a worker thread).
 
     Raises:
         RuntimeError: replicas made different numbers of merge_calls.
@@ -251,73 +458,84 @@ def call_for_each_replica(
     """
     ext = strategy.extended
     n = ext._num_local_replicas
-    ts = TorchState()
-    replicas = []
-    for i in range(n):
-        r_args, r_kwargs = select_replica(i, (args, kwargs))
-        replicas.append(_Replica(strategy, i, fn, r_args, r_kwargs, ts))
-    workers = _pool.take(n)
-    for w, r in zip(workers, replicas, strict=True):
-        w.replica = r
-    idle = [True] * n  # whether worker i is waiting (not inside its replica's code)
+    offset = ext._replica_id_offset
+    run = _Run(strategy, n, slots, TorchState())
+    if (
+        type(args) is tuple
+        and type(kwargs) is dict
+        and not kwargs
+        and not any(_nested(a) for a in args)
+    ):
+        run.replicas = [
+            _Replica(run, i, offset + i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)
+        ]
+    else:
+        run.replicas = [
+            _Replica(run, i, offset + i, fn, *select_replica(i, (args, kwargs))) for i in range(n)
+        ]
+    if timeout is not None:
+        return _run_on_workers(run, timeout)
+    grad = run.ts.grad
     try:
-        while True:
-            for i, (w, r) in enumerate(zip(workers, replicas, strict=True)):
-                if slots is not None:
-                    slots.activate(i)
+        for i in range(n):
+            r = run.replicas[i]
+            if i == 0 or not run.threaded:
+                if i:
+                    torch.set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
                 try:
-                    idle[i] = False
-                    if not w.resume(timeout):
-                        raise DeadlineExceededError(
-                            f"Replica {i} neither finished nor reached merge_call within {timeout} s"
-                        )
-                    idle[i] = True
-                finally:
-                    if slots is not None:
-                        slots.deactivate()
-                if r.exc is not None:
-                    raise r.exc
-            done = [r.done for r in replicas]
-            if all(done):
-                break
-            if any(done):
-                raise RuntimeError(
-                    "Some replicas made a different number of replica_context().merge_call() calls: replicas "
-                    f"{[r.index for r in replicas if r.done]} finished while replicas "
-                    f"{[r.index for r in replicas if not r.done]} wait in merge_call (every replica must "
-                    "make the same synchronizing calls, e.g. optimizer.step(), all_reduce, "
-                    "compute_average_loss)."
-                )
-            if slots is not None:
-                slots.fold_buffers()
-            if all(not r.merge_args and not r.merge_kwargs for r in replicas):
-                merge_args, merge_kwargs = (), {}  # e.g. optimizer.step(): nothing to regroup
-            else:
-                merge_args = regroup([r.merge_args for r in replicas])
-                merge_kwargs = regroup([r.merge_kwargs for r in replicas])
-            mode = _Mode(strategy, None, strategy, is_default=False)
-            push_mode(mode)
-            try:
-                assert replicas[0].merge_fn is not None
-                result = replicas[0].merge_fn(strategy, *merge_args, **merge_kwargs)
-            finally:
-                pop_mode(mode)
-            for i, r in enumerate(replicas):
-                r.merge_result = select_replica(i, result)
-                r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
+                    _run_inline(run, r)
+                except BaseException:
+                    if run.error is not None:
+                        raise run.error from None
+                    raise
+            elif not r.done:
+                if r.waiting:  # it went on to a merge_call that replica 0 never made
+                    raise run.fail(RuntimeError(_count_mismatch(run)))
+                if not _resume(run, i, None).done:
+                    raise run.fail(RuntimeError(_count_mismatch(run)))
+            if run.error is not None:  # a replica caught it: still the run's error
+                raise run.error
     finally:
-        _finish(workers, replicas, idle)
+        run.over = True
+        torch.set_grad_enabled(grad)
+        if run.threaded:
+            _finish(run)
         if slots is not None:
             slots.fold_buffers()
+    return regroup([r.result for r in run.replicas])
+
+
+def _run_on_workers(run: _Run, timeout: float | None) -> Any:
+    """Every replica on a worker thread; the calling thread schedules (``timeout`` applies)."""
+    replicas = run.replicas
+    run.threaded = True
+    try:
+        while True:
+            progressed = False
+            for i in range(run.n):
+                r = replicas[i]
+                if not r.done and not r.waiting:
+                    _resume(run, i, timeout)
+                    progressed = True
+            if all(r.done for r in replicas):
+                break
+            if not progressed:  # every replica finished or waits for one that finished
+                raise run.fail(RuntimeError(_count_mismatch(run)))
+    finally:
+        run.over = True
+        _finish(run)
+        if run.slots is not None:
+            run.slots.fold_buffers()
     return regroup([r.result for r in replicas])
 
 
-def _finish(workers: list[_Worker], replicas: list[_Replica], idle: list[bool]) -> None:
+def _finish(run: _Run) -> None:
     """Stops replicas still paused in merge_call and returns the workers that are idle to the pool."""
     back = []
-    for i, (w, r) in enumerate(zip(workers, replicas, strict=True)):
-        if not idle[i]:
-            continue  # still running past a deadline: never reused
+    for i, w in enumerate(run.workers):
+        if w is None or not run.idle[i]:
+            continue  # never taken, or still running past a deadline: never reused
+        r = run.replicas[i]
         if not r.done and r.exc is None:  # paused in a merge_call, or never started
             r.stop = True
             if not w.resume(1.0):

@@ -81,6 +81,7 @@ class ReplicaSlots:
         self._active: list[ReplicaSlot] = []
         self._active_index: int | None = None
         self._buffers_dirty = False
+        self._key: tuple[list[int], list[int]] | None = None  # what ``refresh`` last saw
 
     # -- membership -------------------------------------------------------------------------------
     def slot(self, t: torch.Tensor) -> ReplicaSlot | None:
@@ -96,6 +97,12 @@ class ReplicaSlots:
         self, params: Iterable[torch.Tensor | None], buffers: Iterable[torch.Tensor | None]
     ) -> None:
         """Makes ``params`` and ``buffers`` the replicated set (called in cross-replica context)."""
+        params = list(params)
+        buffers = list(buffers)
+        key = ([id(t) for t in params], [id(t) for t in buffers])
+        if self.n > 1 and key == self._key and all(s.ref() is not None for s in self._slots.values()):
+            return  # the same live tensors (an id is unique among live objects), all swapped: as before
+        self._key = key
         old = self._slots
         new: dict[int, ReplicaSlot] = {}
         for group, is_param in ((params, True), (buffers, False)):

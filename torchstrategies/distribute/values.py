@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
@@ -85,6 +86,7 @@ def _is_leaf(x: Any) -> bool:
 
 
 _CONTAINERS = (list, tuple, dict)
+_PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, complex})
 
 
 def _component(x: Any, replica_id: int) -> Any:
@@ -98,6 +100,11 @@ def _component(x: Any, replica_id: int) -> Any:
     return x
 
 
+def _nested(x: Any) -> bool:
+    """Whether ``x`` is a pytree container (which may hold DistributedValues), not a leaf."""
+    return isinstance(x, _CONTAINERS) or type(x) in pytree.SUPPORTED_NODES
+
+
 def select_replica(replica_id: int, structure: Any) -> Any:
     """Replaces every DistributedValues in ``structure`` by its component for ``replica_id``."""
 
@@ -106,8 +113,8 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         and len(structure) == 2
         and type(structure[0]) is tuple
         and type(structure[1]) is dict
-        and not any(isinstance(a, _CONTAINERS) for a in structure[0])
-        and not any(isinstance(a, _CONTAINERS) for a in structure[1].values())
+        and not any(_nested(a) for a in structure[0])
+        and not any(_nested(a) for a in structure[1].values())
     ):  # the (args, kwargs) of a run with flat arguments: no pytree walk
         args, kwargs = structure
         return (
@@ -127,6 +134,15 @@ def regroup(per_replica_outputs: Sequence[Any], wrap_class: type = PerReplica) -
     Raises:
         ValueError: the replicas returned structures of different shapes.
     """
+    first = per_replica_outputs[0]
+    if first is None or type(first) in _PLAIN_LEAVES or isinstance(first, DistributedValues):
+        # The common results (None, a tensor, a number): leaves themselves, no pytree walk.
+        if all(o is first for o in per_replica_outputs):
+            return first
+        if first is not None and all(
+            type(o) in _PLAIN_LEAVES or isinstance(o, DistributedValues) for o in per_replica_outputs
+        ):
+            return wrap_class(tuple(per_replica_outputs))
     flats = []
     spec0 = None
     for i, out in enumerate(per_replica_outputs):

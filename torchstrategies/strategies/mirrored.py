@@ -29,7 +29,9 @@ import torch
 
 from torchstrategies.distribute import context
 from torchstrategies.distribute.cross_device_ops import (
+    _FLOAT_KERNEL_DTYPES,
     CrossDeviceOps,
+    ReductionToOneDevice,
     destination_devices,
     select_cross_device_ops,
 )
@@ -48,6 +50,10 @@ from torchstrategies.strategies.one_device import canonical_device
 __all__ = ["MirroredStrategy", "MirroredExtended"]
 
 _log = logging.getLogger("torchstrategies.strategies")
+
+# Dtypes whose sequential torch adds equal the default accumulation kernel bit for bit (it accumulates
+# float16/bfloat16 in float32, so those keep the kernel).
+_FOREACH_EXACT = (torch.float32, torch.float64)
 
 
 def _default_devices() -> list[str]:
@@ -163,11 +169,19 @@ class MirroredExtended(StrategyExtended):
             if root is None:
                 continue
             roots.append(r)
-            for m in root.modules():
+            stack = [root]
+            seen: set[int] = set()
+            while stack:  # root.modules() in pre-order, without its generators and name prefixes
+                m = stack.pop()
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
                 if m._parameters:
                     params.extend(m._parameters.values())
                 if m._buffers:
                     buffers.extend(m._buffers.values())
+                if m._modules:
+                    stack.extend(c for c in reversed(m._modules.values()) if c is not None)
         self._roots = roots
         opts = []
         for o in self._optimizers:
@@ -292,47 +306,88 @@ class MirroredExtended(StrategyExtended):
         """Sums the replicas' gradients into the primaries' ``.grad`` and applies the update once."""
         if self._single_on_variable_device:
             return type(optimizer).step(optimizer, closure)
-        params = []
-        seen: set[int] = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        self.aggregate_gradients(params)
+        groups = optimizer.param_groups
+        if len(groups) == 1:
+            self.aggregate_gradients(groups[0]["params"])
+        else:
+            params = []
+            seen: set[int] = set()
+            for group in groups:
+                for p in group["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            self.aggregate_gradients(params)
         return type(optimizer).step(optimizer, closure)
 
     def aggregate_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Sets each replicated parameter's ``.grad`` to the SUM of its replicas' gradients."""
+        slots = self._slots
+        ops = self._cross_device_ops
+        # The default reduction with every gradient where its parameter lives (replicas on one device, as
+        # on CPU): sum with its kernel directly, without building PerReplica values and destinations.
+        local_sum = ops._sum if type(ops) is ReductionToOneDevice and ops.reduce_to_device is None else None
         pairs, targets = [], []
+        fast: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
+        seen: set[int] = set()
         for p in params:
-            slot = self._slots.slot(p)
-            if slot is None:
+            slot = slots.slot(p)
+            if slot is None or id(p) in seen:
                 continue
+            seen.add(id(p))
             grads = slot.grads
-            if all(g is None for g in grads):
+            ref = None
+            for g in grads:
+                if g is not None:
+                    ref = g
+                    break
+            if ref is None:
                 continue  # nothing new from the replicas: keep the primary gradient
-            ref = next(g for g in grads if g is not None)
+            if (
+                local_sum is not None
+                and ref.dtype in _FLOAT_KERNEL_DTYPES
+                and ref.layout == torch.strided
+                and all(
+                    g is not None and g.device == p.device and g.shape == ref.shape and g.dtype == ref.dtype
+                    for g in grads
+                )
+            ):
+                if ref.dtype in _FOREACH_EXACT and len(grads) > 1:
+                    fast.append((p, grads))  # summed below, all parameters in one foreach call per replica
+                else:
+                    p.grad = local_sum(list(grads), None) if len(grads) > 1 else grads[0].clone()
+                    slots.hand_down_gradient(p)
+                continue
             full = [
                 g if g is not None else torch.zeros_like(ref, device=self._worker_devices[i])
                 for i, g in enumerate(grads)
             ]
             pairs.append((PerReplica(tuple(full)), (p.device,)))
             targets.append(p)
-            self._slots.clear_replica_gradients(p)
+            slots.clear_replica_gradients(p)
+        if fast:
+            # Sequential ((g0 + g1) + g2) ... in the gradients' own dtype: bit for bit what the default
+            # accumulation kernel (EXPERIMENTAL_ACCUMULATE_N) computes for float32/float64.
+            totals = torch._foreach_add([g[0] for _, g in fast], [g[1] for _, g in fast])
+            for k in range(2, len(fast[0][1])):
+                torch._foreach_add_(totals, [g[k] for _, g in fast])
+            for (p, _), total in zip(fast, totals, strict=True):
+                p.grad = total
+                slots.hand_down_gradient(p)
         if not pairs:
             return
-        summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, pairs)
+        summed = ops.batch_reduce(ReduceOp.SUM, pairs)
         for p, g in zip(targets, summed, strict=True):
             p.grad = g if isinstance(g, torch.Tensor) else g.values[0]
-            self._slots.hand_down_gradient(p)
+            slots.hand_down_gradient(p)
 
 
 class MirroredStrategy(Strategy):
     """Synchronous training on several devices of one process (``tf.distribute.MirroredStrategy``).
 
-    One replica per device, each running ``fn`` in its own thread (one at a time, as TF does). Parameters
-    created in ``scope()`` are mirrored: replica i computes with its own copy on device i; inside ``run``,
+    One replica per device, running ``fn`` one at a time as TF does (replica 0 in the calling thread; the
+    others there too, or on worker threads once replica 0 reaches a merge_call). Parameters created in
+    ``scope()`` are mirrored: replica i computes with its own copy on device i; inside ``run``,
     ``optimizer.step()`` sums the replicas' gradients with ``cross_device_ops`` and applies one update
     that every replica sees. Buffers are sync-on-read (MEAN).
 

@@ -1,0 +1,156 @@
+"""How MirroredStrategy schedules its replicas: replica 0 in the calling thread, the others in it too when
+no replica reaches a sync point, on worker threads when replica 0 does; mismatches raise named errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import torchstrategies as ts
+
+
+def _rid() -> int:
+    return ts.get_replica_context().replica_id_in_sync_group
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_that_syncs_after_replica_0_finished_without_syncing_is_named():
+    s = ts.MirroredStrategy(num_replicas=3)
+
+    def only_replica_2_syncs():
+        if _rid() == 2:
+            ts.get_replica_context().all_reduce("sum", torch.ones(1))
+        return _rid()
+
+    with pytest.raises(RuntimeError, match=r"different number of replica_context\(\)\.merge_call\(\) calls: "
+                       r"replica 2 called merge_call\(.*all_reduce.*\) but replica 0 finished without any"):
+        s.run(only_replica_2_syncs)
+    assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)  # still usable
+
+
+@pytest.mark.timeout(30)
+def test_the_mismatch_error_wins_even_when_the_replica_swallows_it():
+    s = ts.MirroredStrategy(num_replicas=2)
+
+    def swallow():
+        if _rid() == 1:
+            try:
+                ts.get_replica_context().merge_call(lambda strategy: None)
+            except RuntimeError:
+                pass
+        return 0
+
+    with pytest.raises(RuntimeError, match="replica 1 called merge_call"):
+        s.run(swallow)
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_that_finishes_while_replica_0_waits_in_merge_call_is_named():
+    s = ts.MirroredStrategy(num_replicas=3)
+
+    def replica_1_skips():
+        if _rid() != 1:
+            ts.get_replica_context().merge_call(lambda strategy: None)
+        return 0
+
+    with pytest.raises(RuntimeError, match=r"replicas \[1\] finished while replicas \[0, 2\] wait in merge_call"):
+        s.run(replica_1_skips)
+    assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_calling_thread_path_equals_worker_path_equals_one_device(n):
+    """Three schedules of the same training: backward-only runs (no sync point: every replica in the
+    calling thread) with the step outside run; the step inside run (replica 0 reaches merge_call: workers);
+    and every replica on a worker (merge_call_timeout set). All equal one device exactly in float64."""
+    torch.manual_seed(0)
+    data = [(torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)) for _ in range(3)]
+
+    def make(strategy):
+        with strategy.scope():
+            torch.manual_seed(1)
+            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt
+
+    def loss(model, x, y):
+        return ts.compute_average_loss((model(x) - y).pow(2).sum(1), global_batch_size=6)
+
+    def train(schedule):
+        s = ts.OneDeviceStrategy("cpu") if schedule == "one_device" else ts.MirroredStrategy(num_replicas=n)
+        if schedule == "workers":
+            s.extended.merge_call_timeout = 60.0
+        model, opt = make(s)
+        threads = set()
+
+        def backward_only(x, y):
+            threads.add(threading.get_ident())
+            opt.zero_grad()
+            loss(model, x, y).backward()
+
+        def step(x, y):
+            threads.add(threading.get_ident())
+            backward_only(x, y)
+            opt.step()
+
+        for x, y in s.experimental_distribute_dataset(data):
+            if schedule == "calling_thread":
+                s.run(backward_only, args=(x, y))
+                opt.step()
+            else:
+                s.run(step, args=(x, y))
+        return [p.detach().clone() for p in model.parameters()], threads
+
+    want, _ = train("one_device")
+    for schedule, n_threads in (("calling_thread", 1), ("replica_0_syncs", n), ("workers", n)):
+        got, threads = train(schedule)
+        assert len(threads) == n_threads, schedule
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=schedule)
+
+
+def test_per_replica_values_inside_a_registered_pytree_node_are_unwrapped_per_replica():
+    import dataclasses
+
+    from torch.utils import _pytree as pytree
+
+    @dataclasses.dataclass
+    class Batch:
+        x: object
+
+    pytree.register_dataclass(Batch)
+    for s in (ts.OneDeviceStrategy("cpu"), ts.MirroredStrategy(num_replicas=2)):
+        v = s.experimental_distribute_values_from_function(
+            lambda c: torch.tensor(float(c.replica_id_in_sync_group))
+        )
+        out = s.experimental_local_results(s.run(lambda b: b.x * 2, args=(Batch(v),)))
+        assert [float(o) for o in out] == [2.0 * i for i in range(s.num_replicas_in_sync)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_local_gradient_sum_is_bit_for_bit_the_cross_device_ops_reduction(dtype):
+    """On one device the gradients are summed directly (foreach adds for float32/float64, the kernel for
+    the others); a ReductionToOneDevice with an explicit device takes the general batch_reduce path."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 5).to(dtype)
+    got = []
+    for ops in (None, ts.ReductionToOneDevice(reduce_to_device="cpu")):
+        s = ts.MirroredStrategy(num_replicas=3, cross_device_ops=ops)
+        with s.scope():
+            torch.manual_seed(1)
+            model = torch.nn.Linear(5, 3).to(dtype)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(xb):
+            opt.zero_grad()
+            model(xb).pow(2).sum().backward()
+            opt.step()
+
+        xs = s.experimental_distribute_values_from_function(lambda c: x[3 * c.replica_id_in_sync_group :][:3])
+        s.run(step, args=(xs,))
+        got.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
