@@ -29,7 +29,6 @@ import torch
 
 from torchstrategies.distribute import context
 from torchstrategies.distribute.cross_device_ops import (
-    _FLOAT_KERNEL_DTYPES,
     CrossDeviceOps,
     ReductionToOneDevice,
     destination_devices,
@@ -43,6 +42,7 @@ from torchstrategies.distribute.mirrored_run import (
 )
 from torchstrategies.distribute.replicated import ReplicaSlots
 from torchstrategies.distribute.values import DistributedValues, PerReplica, local_results
+from torchstrategies.ops import FLOAT_DTYPES
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._step_once import install_step_once_support
 from torchstrategies.strategies.one_device import canonical_device
@@ -345,7 +345,7 @@ class MirroredExtended(StrategyExtended):
                 continue  # nothing new from the replicas: keep the primary gradient
             if (
                 local_sum is not None
-                and ref.dtype in _FLOAT_KERNEL_DTYPES
+                and ref.dtype in FLOAT_DTYPES
                 and ref.layout == torch.strided
                 and all(
                     g is not None and g.device == p.device and g.shape == ref.shape and g.dtype == ref.dtype
