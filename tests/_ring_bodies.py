@@ -72,6 +72,14 @@ def every_op_and_dtype(rank: int, world: int) -> list[str]:
                 if not all(torch.equal(s.view(torch.uint8) if s.numel() else s, got.view(torch.uint8)
                                        if got.numel() else got) for s in same):
                     fails.append(f"{op} {dt_name} n={n}: ranks disagree")
+    ring.CHUNK_BYTES = 256 << 10
+    for dt in (torch.float32, torch.int64):  # above 4 MiB: the ring sends from its second thread
+        x = torch.randint(-8, 9, (1_200_001,), generator=gen).to(dt)
+        for op in ("SUM", "MIN"):
+            got = x.clone()
+            comm.all_reduce_(got, ReduceOp[op], 30.0)
+            if not torch.equal(got, _reference(x, op, world)):
+                fails.append(f"{op} {dt} n=1_200_001 (threaded sender)")
     return fails
 
 

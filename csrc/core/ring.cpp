@@ -13,8 +13,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <atomic>
+#include <functional>
 #include <thread>
 
 #include "core/reduce.h"
@@ -27,6 +30,8 @@ namespace {
 constexpr uint32_t kCallMagic = 0x52494e47;   // "RING"
 constexpr uint32_t kHelloMagic = 0x52484c4f;  // hello from the left neighbour
 constexpr uint32_t kAckMagic = 0x5241434b;
+// Ring calls sending at least this many bytes send from a second thread (see Comm::run).
+constexpr size_t kThreadBytes = 4 << 20;
 
 struct Hello {
   uint32_t magic;
@@ -390,8 +395,113 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
     while (ss < S && soff == steps[ss].send_len) ++ss, soff = 0;
     while (hdr_ok && rs < S && poff == steps[rs].recv_len) ++rs, roff = 0, poff = 0;
   };
+  // Large ring calls send from a second thread, so that the copies into the socket run beside the receive
+  // and the reduce (two cores' worth of copying, as a full-duplex link needs); the main thread publishes how
+  // many received bytes it has processed, which is exactly how far the sender may go (a step sends what the
+  // step before received).
+  size_t total = 0;
+  for (const Step& st : steps) total += st.send_len;
+  static const size_t thread_bytes = [] {
+    const char* v = std::getenv("TORCHSTRATEGIES_RING_THREAD_BYTES");
+    return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 10)) : kThreadBytes;
+  }();
+  const bool threaded = !tiny && total >= thread_bytes;
+  struct Shared {
+    std::atomic<uint64_t> processed{0};
+    std::atomic<uint32_t> epoch{0};
+    std::atomic<bool> stop{false};
+    std::atomic<bool> failed{false};
+    RingError::Kind kind = RingError::kBroken;
+    std::string msg;
+  } sh;
+  std::thread sender;
+  auto stop_sender = [&] {
+    if (!sender.joinable()) return;
+    sh.stop.store(true);
+    sh.epoch.fetch_add(1);
+    sh.epoch.notify_all();
+    sender.join();
+  };
+  struct Joiner {
+    std::function<void()> f;
+    ~Joiner() { f(); }
+  } joiner{stop_sender};
+  auto die = [&](RingError::Kind kind, int peer, const std::string& msg) {
+    stop_sender();
+    fail(kind, peer, msg);
+  };
+  if (threaded) {
+    hout = sizeof(Header);  // the sender thread writes the descriptor
+    sender = std::thread([&, right] {
+      size_t h = 0, s = 0, off = 0;
+      uint64_t sent = 0;
+      const uint64_t first = steps[0].send_len;
+      double dl = now_s() + timeout_s;
+      auto record = [&](RingError::Kind kind, const std::string& msg) {
+        sh.kind = kind;
+        sh.msg = msg;
+        sh.failed.store(true);
+      };
+      for (;;) {
+        while (s < S && off == steps[s].send_len) ++s, off = 0;
+        if ((h == sizeof(Header) && s >= S) || sh.stop.load()) return;
+        const uint32_t ep = sh.epoch.load(std::memory_order_acquire);
+        const uint64_t limit = first + sh.processed.load(std::memory_order_acquire);
+        const size_t avail = s < S ? static_cast<size_t>(std::min<uint64_t>(steps[s].send_len - off,
+                                                                            limit > sent ? limit - sent : 0))
+                                   : 0;
+        if (h == sizeof(Header) && avail == 0) {
+          sh.epoch.wait(ep);
+          dl = now_s() + timeout_s;
+          continue;
+        }
+        iovec iov[2];
+        int k = 0;
+        if (h < sizeof(Header)) iov[k++] = {reinterpret_cast<char*>(const_cast<Header*>(&mine)) + h, sizeof(Header) - h};
+        if (avail) iov[k++] = {steps[s].send + off, avail};
+        msghdr mh{};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = k;
+        const ssize_t w = ::sendmsg(send_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+          size_t rest = static_cast<size_t>(w);
+          if (h < sizeof(Header)) {
+            const size_t hh = std::min(rest, sizeof(Header) - h);
+            h += hh;
+            rest -= hh;
+          }
+          off += rest;
+          sent += rest;
+          dl = now_s() + timeout_s;
+          continue;
+        }
+        if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          return record(RingError::kPeerDead, "sending to it failed (" + err_text(errno) + ")");
+        }
+        pollfd pf{send_fd_, static_cast<short>(POLLOUT | POLLIN), 0};
+        const int ms = ms_left(dl);
+        if (ms <= 0) return record(RingError::kTimeout, "it did not take data within the timeout");
+        poll(&pf, 1, std::min(ms, 50));
+        if (pf.revents & (POLLIN | POLLHUP | POLLERR)) {
+          char b;
+          const ssize_t g = ::recv(send_fd_, &b, 1, MSG_DONTWAIT);
+          if (g == 0) return record(RingError::kPeerDead, "it closed the connection");
+          if (g < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            return record(RingError::kPeerDead, "its connection failed (" + err_text(errno) + ")");
+          }
+          if (g > 0) return record(RingError::kBroken, "protocol error: unexpected bytes from it");
+        }
+      }
+    });
+  }
+  auto published = [&](size_t nbytes) {
+    if (!threaded) return;
+    sh.processed.fetch_add(nbytes, std::memory_order_release);
+    sh.epoch.fetch_add(1, std::memory_order_release);
+    sh.epoch.notify_one();
+  };
   auto sendable = [&]() -> size_t {
-    if (ss >= S) return 0;
+    if (threaded || ss >= S) return 0;
     const Step& st = steps[ss];
     size_t lim = st.send_len;
     if (ss > 0 && rs <= ss - 1) lim = (rs == ss - 1) ? std::min(lim, poff) : 0;
@@ -399,9 +509,19 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
   };
   for (;;) {
     skip();
-    const bool send_done = hout == sizeof(Header) && ss >= S;
+    const bool send_done = threaded || (hout == sizeof(Header) && ss >= S);
     const bool recv_done = hdr_ok && rs >= S;
-    if (send_done && recv_done) return;
+    if (threaded && sh.failed.load()) {
+      stop_sender();
+      fail(sh.kind, right, sh.msg);
+    }
+    if (send_done && recv_done) {
+      if (threaded) {
+        sender.join();  // it ends once everything is written, or records a failure (bounded by the timeout)
+        if (sh.failed.load()) fail(sh.kind, right, sh.msg);
+      }
+      return;
+    }
     bool moved = false;
     size_t avail = 0;
     if (!send_done) {
@@ -425,7 +545,7 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
           }
           soff += left_w;
         } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          fail(RingError::kPeerDead, right, "sending to it failed (" + err_text(errno) + ")");
+          die(RingError::kPeerDead, right, "sending to it failed (" + err_text(errno) + ")");
         }
       }
     }
@@ -452,9 +572,9 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
         mh.msg_iov = iov;
         mh.msg_iovlen = k;
         const ssize_t got = ::recvmsg(recv_fd_, &mh, MSG_DONTWAIT);
-        if (got == 0) fail(RingError::kPeerDead, left, "it closed the connection");
+        if (got == 0) die(RingError::kPeerDead, left, "it closed the connection");
         if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          fail(RingError::kPeerDead, left, "receiving from it failed (" + err_text(errno) + ")");
+          die(RingError::kPeerDead, left, "receiving from it failed (" + err_text(errno) + ")");
         }
         if (got > 0) {
           moved = true;
@@ -465,10 +585,13 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
             g -= h;
           }
           roff += g;
-          if (!steps[rs].reduce) poff = roff;
+          if (!steps[rs].reduce) {
+            poff = roff;
+            published(g);
+          }
           if (!hdr_ok && hin == sizeof(Header)) {
             if (theirs.magic != kCallMagic || theirs.group != mine.group || theirs.rank != left) {
-              fail(RingError::kBroken, left, "protocol error: unexpected bytes instead of a call descriptor");
+              die(RingError::kBroken, left, "protocol error: unexpected bytes instead of a call descriptor");
             }
             if (theirs.seq != mine.seq || theirs.op != mine.op || theirs.dtype != mine.dtype ||
                 theirs.count != mine.count || theirs.small_bytes != mine.small_bytes ||
@@ -493,6 +616,7 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
         const void* xs[2] = {out, stage_.data()};
         combine(op, dtype, out, xs, 2, static_cast<int64_t>(nb / es), st.scale_last && op == kMean, scale);
         poff += nb;
+        published(nb);
         if (fill > nb) std::memmove(stage_.data(), stage_.data() + nb, fill - nb);
         moved = true;
       }
@@ -505,11 +629,14 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
     skip();
     const bool want_out = (hout < sizeof(Header)) || sendable() > 0;
     const bool recv_pending = !(hdr_ok && rs >= S);
-    pollfd pf[2] = {{send_fd_, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
+    pollfd pf[2] = {{threaded ? -1 : send_fd_, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
                     {recv_fd_, static_cast<short>(recv_pending ? POLLIN : 0), 0}};
     const int ms = ms_left(deadline);
-    const int pr = ms > 0 ? poll(pf, 2, ms) : 0;
+    // With a sender thread, wake every 50 ms to see whether it failed.
+    const int pr = ms > 0 ? poll(pf, 2, threaded ? std::min(ms, 50) : ms) : 0;
+    if (threaded && pr == 0 && ms_left(deadline) > 0) continue;
     if (pr == 0) {
+      if (threaded) stop_sender();
       const int peer = recv_pending ? left : right;
       fail(RingError::kTimeout, peer,
            recv_pending ? "no data arrived from it within the timeout"
@@ -518,7 +645,7 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
     if (pf[0].revents & (POLLIN | POLLHUP | POLLERR)) {
       char b;
       const ssize_t g = ::recv(send_fd_, &b, 1, MSG_DONTWAIT);
-      if (g == 0) fail(RingError::kPeerDead, right, "it closed the connection");
+      if (g == 0) die(RingError::kPeerDead, right, "it closed the connection");
       if (g < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         fail(RingError::kPeerDead, right, "its connection failed (" + err_text(errno) + ")");
       }
