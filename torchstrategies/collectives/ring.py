@@ -76,7 +76,7 @@ def bind_address() -> str:
     named = os.environ.get("TORCHSTRATEGIES_RING_ADDR")
     if named:
         try:
-            return socket.getaddrinfo(named, None, type=socket.SOCK_STREAM)[0][4][0]
+            return str(socket.getaddrinfo(named, None, type=socket.SOCK_STREAM)[0][4][0])
         except OSError as exc:
             raise ValueError(f"TORCHSTRATEGIES_RING_ADDR={named!r} does not resolve: {exc}") from exc
     master = os.environ.get("MASTER_ADDR")
