@@ -13,7 +13,8 @@ Settings (every rank must use the same values; they are part of the descriptor):
     TORCHSTRATEGIES_RING_SMALL_BYTES: messages up to this size are all-gathered whole and reduced on every
         rank (for 2 ranks: one exchange); larger ones take the ring.
     TORCHSTRATEGIES_RING_CHUNK_BYTES: the staging buffer that received bytes are reduced from.
-Per rank: TORCHSTRATEGIES_RING_SOCKET_BYTES (SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning).
+Per rank: TORCHSTRATEGIES_RING_SOCKET_BYTES (SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning) and
+TORCHSTRATEGIES_RING_THREAD_BYTES (calls sending at least this many bytes write from a second thread; 4 MiB).
 """
 
 from __future__ import annotations
