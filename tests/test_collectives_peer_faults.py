@@ -69,10 +69,11 @@ def test_hierarchical_inter_host_failure_aborts_the_host_group_for_its_other_ran
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how, expected", [("kill", "UnavailableError"), ("stop", "DeadlineExceededError")])
-@pytest.mark.parametrize("impl", ["RING", "TREE"])
+@pytest.mark.parametrize("impl", ["TREE"])
 def test_peer_failing_inside_the_data_exchange_raises_named_error(impl, how, expected):
     # After the descriptor check the survivors wait in the implementation's own exchange: those waits must
     # be bounded and named too (a bare ``work.wait()`` there would raise gloo's RuntimeError or block).
+    # (RING has no separate descriptor round: tests/test_collectives_ring.py stops or kills a peer inside it.)
     world = _WORLD[impl]
     victim = world - 1
     res = run_ranks(F.peer_fault, world, args=(impl, how, _TIMEOUT, True), timeout=80, pg_timeout=60,

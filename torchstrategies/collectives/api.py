@@ -15,9 +15,10 @@ for the benchmark behind it):
     1b. a dtype our kernels do not take (bool, int8, ...) -> GLOO
     2. every rank of the group on this host              -> SHM
     3. world group over several hosts, some with >1 rank -> HIERARCHICAL
-    4. otherwise                                         -> GLOO
-    (our RING and TREE over gloo point-to-point were at best level with gloo's own all-reduce in the
-    benchmark, and slower at most sizes, so AUTO never picks them; they remain explicit choices.)
+    4. otherwise (ranks on several hosts)                -> RING where the shipped measurement shows our C++
+                                                            TCP ring beating gloo for the message size
+                                                            (``ring.preferred``), else GLOO
+    (TREE over gloo point-to-point was slower than gloo's own all-reduce; it remains an explicit choice.)
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def choose(impl: Impl, tensors: Sequence[torch.Tensor], group: Any) -> Impl:
         is_world = group is None or group is dist.group.WORLD
         if is_world and len(set(hosts)) < len(hosts):
             return Impl.HIERARCHICAL
-        return Impl.GLOO
+        return Impl.RING if ring.preferred(sum(t.numel() * t.element_size() for t in tensors)) else Impl.GLOO
     if impl is Impl.NCCL:
         if not cuda or dist.get_backend(group) != "nccl":
             raise ValueError(
@@ -128,7 +129,10 @@ def _run_flat(impl: Impl, flat: torch.Tensor, op: ReduceOp, group: Any, timeout:
     if impl is Impl.SHM:
         shm.get_communicator(group, timeout).all_reduce_(flat, op, timeout)  # MEAN scaled in C++
         return
-    fn = {Impl.RING: ring.all_reduce_, Impl.TREE: tree.all_reduce_, Impl.HIERARCHICAL: hierarchical.all_reduce_,
+    if impl is Impl.RING:
+        ring.all_reduce_(flat, op, group, timeout)  # MEAN scaled in C++
+        return
+    fn = {Impl.TREE: tree.all_reduce_, Impl.HIERARCHICAL: hierarchical.all_reduce_,
           Impl.GLOO: native.all_reduce_, Impl.NCCL: native.all_reduce_}[impl]
     fn(flat, op, group, timeout)
     if op is ReduceOp.MEAN:

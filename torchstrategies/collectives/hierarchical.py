@@ -1,4 +1,7 @@
-"""HIERARCHICAL: SHM inside each host, the native all-reduce (or RING) between one leader per host, SHM broadcast back.
+"""HIERARCHICAL: SHM inside each host, RING or the native all-reduce between one leader per host, SHM broadcast back.
+
+Between leaders the C++ TCP ring runs where the shipped measurement shows it beating gloo for the message size
+(``ring.preferred``), gloo elsewhere.
 
 Host identity comes from ``topology.host_id`` (hostname, or TORCHSTRATEGIES_HOST_ID to simulate hosts).
 The per-host groups and the leader group are made with ``dist.new_group`` by every rank in the same
@@ -13,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchstrategies.collectives import descriptor, native, shm, topology
+from torchstrategies.collectives import descriptor, native, ring, shm, topology
 from torchstrategies.collectives._common import deadline_error, diagnose, peer_error
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
@@ -50,9 +53,16 @@ class Layout:
 # drops the layout and its per-host groups instead of keeping dead process groups alive.
 # The value is (topology generation, layout): topology.clear_caches() (new host identities) drops it too.
 _layouts: weakref.WeakKeyDictionary[Any, tuple[int, Layout]] = weakref.WeakKeyDictionary()
-# Between host leaders: the native (gloo) all-reduce, which beat our RING at every size in the benchmark
-# (docs/collectives.md); set LEADER_ALL_REDUCE[0] = ring.all_reduce_ to use the ring instead.
-LEADER_ALL_REDUCE = [native.all_reduce_]
+
+
+def _leader_all_reduce(t: torch.Tensor, op: ReduceOp, group: Any, timeout: float) -> torch.Tensor:
+    """Between host leaders: RING where it measured faster than gloo for this size, else gloo."""
+    fn = ring.all_reduce_ if ring.preferred(t.numel() * t.element_size()) else native.all_reduce_
+    return fn(t, op, group, timeout)
+
+
+# The inter-host stage (a list, so tests can put a failing stand-in in its place).
+LEADER_ALL_REDUCE = [_leader_all_reduce]
 
 
 def layout() -> Layout:
