@@ -64,14 +64,21 @@ class WireError(ValueError):
     """A message that does not follow the schema (wrong magic or version, inconsistent lengths)."""
 
 
-def _to_bytes(t: torch.Tensor) -> memoryview:
+# dtypes numpy has no type for travel as same-sized integers (their bytes unchanged).
+_NUMPY_STANDIN = {torch.bfloat16: torch.int16}
+
+
+def _to_bytes(t: torch.Tensor) -> Any:
+    """A buffer over ``t``'s bytes (no copy for a contiguous CPU tensor)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    if not t.is_contiguous():
+        t = t.contiguous()
+    standin = _NUMPY_STANDIN.get(t.dtype)
+    if standin is not None:
+        t = t.view(standin)
+    return t.numpy()  # a C-contiguous array: b"".join reads its raw bytes
 
 
 def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> bytes:
@@ -112,7 +119,7 @@ def _nbytes(dtype: torch.dtype, shape: list[Any]) -> int:
         if not isinstance(s, int) or isinstance(s, bool) or s < 0:
             raise WireError(f"bad tensor shape {shape!r}")
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -181,9 +188,7 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
             if n == 0:
                 t = torch.empty(shape, dtype=store)
             else:
-                t = torch.frombuffer(
-                    buf, dtype=store, count=n // torch.empty((), dtype=store).element_size(), offset=off
-                ).reshape(shape)
+                t = torch.frombuffer(buf, dtype=store, count=n // store.itemsize, offset=off).view(shape)
             tensors.append(t.view(torch.bool) if dtype == torch.bool else t)
             off += n
 
