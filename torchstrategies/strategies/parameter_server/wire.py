@@ -23,6 +23,7 @@ allocates anything. JSON parsing never runs code; dtypes come from an allow-list
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import warnings
@@ -54,6 +55,7 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_dumps = functools.partial(json.dumps, separators=(",", ":"), allow_nan=True)
 
 
 # decode(copy=False) views the (read-only) received bytes; the ps never writes to those tensors.
@@ -85,15 +87,11 @@ def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) ->
     """One message: ``header`` (JSON types, bytes and tuples allowed) and ``tensors`` as raw bytes."""
     blobs: list[bytes] = []
 
-    def conv(x: Any) -> Any:
+    def blob(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, (bytes, bytearray, memoryview)):
             blobs.append(bytes(x))
             return {"$b": len(blobs) - 1}
-        if isinstance(x, dict):
-            return {str(k): conv(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [conv(v) for v in x]
-        return x
+        raise TypeError(f"a parameter-server message header cannot hold {type(x).__name__} ({x!r:.80})")
 
     tensors = tensors or []
     metas = []
@@ -104,10 +102,11 @@ def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) ->
                 f"dtype {t.dtype} cannot be sent to a parameter server (allowed: {sorted(_DTYPES)})"
             )
         metas.append([name, list(t.shape)])
-    body = conv(header)
-    body["_blobs"] = [len(b) for b in blobs]
-    body["_tensors"] = metas
-    head = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+    if not isinstance(header, dict):
+        raise TypeError(f"a message header is a dict, got {type(header).__name__}")
+    text = _dumps(header, default=blob)  # C encoder: walks the header without a Python recursion
+    tail = _dumps({"_blobs": [len(b) for b in blobs], "_tensors": metas})
+    head = (text[:-1] + "," + tail[1:] if len(header) else tail).encode()
     parts: list[Any] = [_FIXED.pack(_MAGIC, VERSION, 0, len(head)), head, *blobs]
     parts.extend(_to_bytes(t) for t in tensors)
     return b"".join(parts)
@@ -142,8 +141,9 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
     pos = _FIXED.size
     if hlen > len(data) - pos:
         raise WireError(f"header length {hlen} exceeds the {len(data) - pos} bytes received")
+    raw_header = bytes(memoryview(data)[pos : pos + hlen])
     try:
-        body = json.loads(bytes(memoryview(data)[pos : pos + hlen]))
+        body = json.loads(raw_header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"header is not valid JSON: {exc}") from None
     pos += hlen
@@ -204,6 +204,8 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
             return [unconv(v) for v in x]
         return x
 
+    if not blobs and b'"$b"' not in raw_header:
+        return body, tensors  # nothing to substitute: skip the walk
     return unconv(body), tensors
 
 
