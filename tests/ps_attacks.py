@@ -54,6 +54,23 @@ def _grpc(address: str, method: str, body: bytes, token: str | None) -> str:
             return exc.code().name
 
 
+def _grpc_stream(address: str, method: str, body: bytes, token: str | None) -> str:
+    """One message on a request stream (``.../Stream``): "OK", "REFUSED: <error>" for an error reply, or the
+    status code of a stream the server did not open."""
+    import grpc
+
+    from torchstrategies.strategies.parameter_server import wire
+
+    md = (("x-ts-auth", token),) if token is not None else None
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = next(ch.stream_stream(method)(iter([body]), timeout=10, metadata=md))
+        except grpc.RpcError as exc:
+            return exc.code().name
+    header, _ = wire.decode(reply)
+    return "OK" if header.get("ok") else f"REFUSED: {header.get('error_message')}"
+
+
 def _hpack_literal(name: str, value: str) -> bytes:
     n, v = name.encode(), value.encode()
     assert len(n) < 127 and len(v) < 127
@@ -131,15 +148,34 @@ def main(spec: dict) -> dict:
             r[method + " wrong token"] = _grpc(address, method, evil, "0" * 64)
             if spec.get("task_token"):  # a worker's credentials do not open the chief's methods
                 r[method + " task token"] = _grpc(address, method, evil, spec["task_token"])
+        # (a) the same on the request streams: the Worker stream is the chief's; on the ps stream, a worker's
+        # credentials open the stream but a chief-only method in it is refused before its body is unpickled.
+        stream_body = wire.encode(
+            {"op": "create_optimizer", "closure": evil, "defs": evil, "cls": evil, "groups": evil, "oid": 1}
+        )
+        for method in ("/torchstrategies.ps.v1.Worker/Stream", "/torchstrategies.ps.v1.ParameterServer/Stream"):
+            r[method + " raw"] = _grpc_stream(address, method, evil, None)
+            r[method + " wire"] = _grpc_stream(address, method, stream_body, None)
+            r[method + " wrong token"] = _grpc_stream(address, method, stream_body, "0" * 64)
+            if spec.get("task_token"):
+                exec_body = wire.encode({"op": "exec", "closure": evil, "defs": evil})
+                body = exec_body if "Worker" in method else stream_body
+                r[method + " task token"] = _grpc_stream(address, method, body, spec["task_token"])
         # (b) the old attack: a length header claiming 256 MiB.
         r["raw_huge_length"] = _raw_tcp(host, int(port), struct.pack("!Q", 256 << 20) + b"x" * 64)
         # (b) a gRPC message claiming 2 GiB - 1, without and with credentials.
         r["grpc_huge_claim"] = _huge_grpc_claim(
             host, int(port), "/torchstrategies.ps.v1.ParameterServer/Push", None, 0x7FFFFFFF
         )
+        r["grpc_huge_claim_stream"] = _huge_grpc_claim(
+            host, int(port), "/torchstrategies.ps.v1.ParameterServer/Stream", None, 0x7FFFFFFF
+        )
         if spec.get("token"):
             r["grpc_huge_claim_authenticated"] = _huge_grpc_claim(
                 host, int(port), "/torchstrategies.ps.v1.ParameterServer/Push", spec["token"], 0x7FFFFFFF
+            )
+            r["grpc_huge_claim_stream_authenticated"] = _huge_grpc_claim(
+                host, int(port), "/torchstrategies.ps.v1.ParameterServer/Stream", spec["token"], 0x7FFFFFFF
             )
         out[name] = r
     return out

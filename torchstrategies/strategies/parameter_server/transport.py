@@ -14,6 +14,14 @@ gRPC's generic handlers so nothing is parsed before the authentication intercept
 * ``Worker``: Setup, Exec (a closure, cloudpickled; only the chief may call it);
 * ``Control``: Hello, Heartbeat, Shutdown, Watch (a long-lived stream that ends when the chief goes away).
 
+``ParameterServer/Stream`` and ``Worker/Stream`` carry the same requests on long-lived bidirectional streams,
+one request and its reply at a time (:mod:`streams`): this is what :class:`RpcClient` uses for every
+ParameterServer and Worker method, so a training step pays gRPC's per-call set-up only once per stream.
+A stream is authenticated when it opens, by the same interceptor and before any of its messages is read;
+each message names its method (``op``), which the server checks against the stream's service and the
+caller's role (a chief-only method from a worker's stream is refused, its body never unpickled). Each
+request still has its deadline: the client cancels a stream whose reply is late.
+
 Errors: a deadline becomes :class:`DeadlineExceededError`, any other transport failure
 :class:`UnavailableError`, both naming the peer and the method; an exception raised by the handler comes
 back as :class:`RemoteError` (rebuilt from its type name and message, never unpickled, except closure errors
@@ -40,6 +48,7 @@ import torch
 from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
 from torchstrategies.strategies.parameter_server import wire
 from torchstrategies.strategies.parameter_server.auth import AUTH_KEY, CHIEF, JobAuth
+from torchstrategies.strategies.parameter_server.streams import StreamExpired, StreamPool
 
 __all__ = [
     "RpcServer",
@@ -75,11 +84,14 @@ METHODS: dict[str, tuple[str, str]] = {
 }
 _WATCH = f"/{_PKG}.Control/Watch"
 _PATH = {op: f"/{_PKG}.{svc}/{m}" for op, (svc, m) in METHODS.items()}
+# The services whose methods also travel on a long-lived stream (``/<pkg>.<Service>/Stream``).
+STREAM_SERVICES = ("ParameterServer", "Worker")
+_STREAM = {svc: f"/{_PKG}.{svc}/Stream" for svc in STREAM_SERVICES}
 # What only the chief may call: everything that unpickles (exec, setup, optimizers) or controls the task.
 _CHIEF_ONLY = {
     _PATH[op]
     for op in ("create", "create_optimizer", "set_hparams", "stats", "setup", "exec", "heartbeat", "shutdown")
-} | {_WATCH}
+} | {_WATCH, _STREAM["Worker"]}
 
 
 _malloc_tuned = False
@@ -182,6 +194,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, auth: JobAuth):
         self.auth = auth
+        self._bound: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     def intercept_service(self, continuation, handler_call_details):
         token = None
@@ -194,12 +207,20 @@ class _AuthInterceptor(grpc.ServerInterceptor):
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job credentials")
         if method in _CHIEF_ONLY and role != CHIEF:
             return _deny(grpc.StatusCode.PERMISSION_DENIED, f"{method} is for the chief only")
+        bound = self._bound.get((method, role))
+        if bound is not None:
+            return bound
         handler = continuation(handler_call_details)
         if handler is None or not method.startswith(f"/{_PKG}."):
             return handler
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(functools.partial(handler.unary_stream, role=role))
-        return grpc.unary_unary_rpc_method_handler(functools.partial(handler.unary_unary, role=role))
+            bound = grpc.unary_stream_rpc_method_handler(functools.partial(handler.unary_stream, role=role))
+        elif handler.stream_stream is not None:
+            bound = grpc.stream_stream_rpc_method_handler(functools.partial(handler.stream_stream, role=role))
+        else:
+            bound = grpc.unary_unary_rpc_method_handler(functools.partial(handler.unary_unary, role=role))
+        self._bound[(method, role)] = bound  # the same for every call of this method by this role
+        return bound
 
 
 class RpcServer:
@@ -207,6 +228,8 @@ class RpcServer:
 
     ``handler(role, op, header, tensors) -> (reply, tensors)``; an exception is sent back in the reply.
     ``on_watch_end(role)`` runs when a Watch stream ends without the server stopping (the chief is gone).
+    Each open stream (a client's Watch, or its Stream of requests) holds one of the ``max_workers`` threads
+    while it is open; threads are started as needed.
     """
 
     def __init__(
@@ -216,7 +239,7 @@ class RpcServer:
         host: str,
         auth: JobAuth,
         on_watch_end: Callable[[str], None] | None = None,
-        max_workers: int = 32,
+        max_workers: int = 1024,
     ):
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -224,6 +247,8 @@ class RpcServer:
         self._handler = handler
         self._on_watch_end = on_watch_end
         self._stopping = threading.Event()
+        self._streams: dict[Any, list[bool]] = {}  # open request streams -> [busy answering a request]
+        self._streams_lock = threading.Lock()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"),
             interceptors=[_AuthInterceptor(auth)],
@@ -234,6 +259,11 @@ class RpcServer:
             if svc in services:
                 by_service.setdefault(svc, {})[method] = grpc.unary_unary_rpc_method_handler(
                     functools.partial(self._unary, op)
+                )
+        for svc in STREAM_SERVICES:
+            if svc in services:
+                by_service[svc]["Stream"] = grpc.stream_stream_rpc_method_handler(
+                    functools.partial(self._stream, svc)
                 )
         by_service.setdefault("Control", {})["Watch"] = grpc.unary_stream_rpc_method_handler(self._watch)
         self._server.add_generic_rpc_handlers(
@@ -256,7 +286,42 @@ class RpcServer:
     def _unary(self, op: str, request: bytes, context, role: str = "") -> bytes:
         _current.context = context
         try:
+            return self._answer(role, op, request)
+        finally:
+            _current.context = None
+
+    def _stream(self, service: str, requests, context, role: str = ""):
+        """Answers the requests of one stream in order, until the client closes it or the server stops."""
+        busy = [False]
+        with self._streams_lock:
+            if self._stopping.is_set():
+                return
+            self._streams[context] = busy
+        _current.context = context  # this thread serves only this stream while it is open
+        try:
+            while not self._stopping.is_set():
+                try:
+                    request = next(requests)
+                except (StopIteration, grpc.RpcError):  # closed or cancelled by the client, or stopping
+                    return
+                busy[0] = True
+                yield self._answer(role, None, request, service)
+                busy[0] = False
+        finally:
+            _current.context = None
+            with self._streams_lock:
+                self._streams.pop(context, None)
+
+    def _answer(self, role: str, op: str | None, request: bytes, service: str = "") -> bytes:
+        """The reply to one request; ``op=None``: a stream's message, which names its own method."""
+        try:
             header, tensors = wire.decode(request, copy=False)  # handlers only read request tensors
+            if op is None:
+                op = header.get("op")
+                if not isinstance(op, str) or METHODS.get(op, ("",))[0] != service:
+                    raise ValueError(f"{op!r} is not a method of the {service} service")
+                if _PATH[op] in _CHIEF_ONLY and role != CHIEF:
+                    raise PermissionError(f"{_PATH[op]} is for the chief only")
             header["op"] = op
             reply, out = self._handler(role, op, header, tensors)
             if isinstance(out, bytes):  # already a whole reply (encoded under the handler's lock)
@@ -266,8 +331,6 @@ class RpcServer:
             text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             extra = getattr(exc, "_ts_reply_extra", None) or {}
             return wire.encode({**wire.encode_error(exc, text), **extra})
-        finally:
-            _current.context = None
 
     def _watch(self, request: bytes, context, role: str = ""):
         yield wire.encode({"ok": True})  # tells the client the stream is established
@@ -281,7 +344,11 @@ class RpcServer:
         """Stops accepting calls, lets running ones finish for ``grace`` seconds, then cancels them."""
         if self._stopping.is_set():
             return
-        self._stopping.set()
+        with self._streams_lock:
+            self._stopping.set()
+            idle = [context for context, busy in self._streams.items() if not busy[0]]
+        for context in idle:  # a stream answering a request ends after its reply
+            context.cancel()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait(grace + 1.0)
 
@@ -313,6 +380,7 @@ class RpcClient:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._metadata = ((AUTH_KEY, auth.token(role)),)
         self._stubs = {op: self._channel.unary_unary(path) for op, path in _PATH.items()}
+        self._streams = StreamPool(self._channel, self._metadata)
         self._watch_call = None
         if hello is not None:
             self.wait_ready(timeout)
@@ -393,6 +461,9 @@ class RpcClient:
         op = header["op"]
         t = self.timeout if timeout == "default" else timeout
         data = self._request(header, tensors)
+        service = METHODS[op][0]
+        if service in _STREAM:
+            return self._reply(self._exchange(service, op, data, t, abort))  # type: ignore[arg-type]
         stub = self._stubs[op]
         try:
             if t is not None or abort is None:
@@ -410,6 +481,25 @@ class RpcClient:
         except grpc.RpcError as exc:
             raise self._fail(exc, op, t) from None  # type: ignore[arg-type]
         return self._reply(out)
+
+    def _exchange(
+        self, service: str, op: str, data: bytes, t: float | None, abort: threading.Event | None
+    ) -> bytes:
+        """One request on a stream of ``service`` (see :mod:`streams`)."""
+        try:
+            return self._streams.exchange(_STREAM[service], data, t, abort)
+        except StreamExpired as exc:
+            if exc.why == "abort":
+                raise CancelledError(f"{op!r} on {self.name} was abandoned") from None
+            self._broken = f"{self.name} at {self.address} did not answer {op!r} within {t or 0:.1f}s"
+            raise DeadlineExceededError(self._broken) from None
+        except grpc.RpcError as exc:  # a stream is only cancelled by us (above), by close() or by the server
+            self._broken = self._broken or (
+                f"{self.name} at {self.address} is unavailable ({exc.code().name}: {exc.details()}) during {op!r}"
+            )
+            raise UnavailableError(self._broken) from None
+        except (RuntimeError, ValueError):  # the pool or the channel was closed: this client is closed
+            raise UnavailableError(self._broken or f"connection to {self.name} closed") from None
 
     def call_async(self, header: dict, timeout: float, done: Callable[[BaseException | None], None]) -> None:
         """Starts a small call (heartbeat, shutdown) and runs ``done(error or None)`` when it ends."""
@@ -461,6 +551,7 @@ class RpcClient:
         self._broken = self._broken or f"connection to {self.name} closed"
         if self._watch_call is not None:
             self._watch_call.cancel()
+        self._streams.close()
         self._channel.close()
 
 

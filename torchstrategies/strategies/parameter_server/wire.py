@@ -23,6 +23,7 @@ allocates anything. JSON parsing never runs code; dtypes come from an allow-list
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import warnings
@@ -54,6 +55,7 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_dumps = functools.partial(json.dumps, separators=(",", ":"), allow_nan=True)
 
 
 # decode(copy=False) views the (read-only) received bytes; the ps never writes to those tensors.
@@ -64,29 +66,32 @@ class WireError(ValueError):
     """A message that does not follow the schema (wrong magic or version, inconsistent lengths)."""
 
 
-def _to_bytes(t: torch.Tensor) -> memoryview:
+# dtypes numpy has no type for travel as same-sized integers (their bytes unchanged).
+_NUMPY_STANDIN = {torch.bfloat16: torch.int16}
+
+
+def _to_bytes(t: torch.Tensor) -> Any:
+    """A buffer over ``t``'s bytes (no copy for a contiguous CPU tensor)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    if not t.is_contiguous():
+        t = t.contiguous()
+    standin = _NUMPY_STANDIN.get(t.dtype)
+    if standin is not None:
+        t = t.view(standin)
+    return t.numpy()  # a C-contiguous array: b"".join reads its raw bytes
 
 
 def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> bytes:
     """One message: ``header`` (JSON types, bytes and tuples allowed) and ``tensors`` as raw bytes."""
     blobs: list[bytes] = []
 
-    def conv(x: Any) -> Any:
+    def blob(x: Any) -> Any:  # json calls this for what it cannot encode itself
         if isinstance(x, (bytes, bytearray, memoryview)):
             blobs.append(bytes(x))
             return {"$b": len(blobs) - 1}
-        if isinstance(x, dict):
-            return {str(k): conv(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [conv(v) for v in x]
-        return x
+        raise TypeError(f"a parameter-server message header cannot hold {type(x).__name__} ({x!r:.80})")
 
     tensors = tensors or []
     metas = []
@@ -97,10 +102,11 @@ def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) ->
                 f"dtype {t.dtype} cannot be sent to a parameter server (allowed: {sorted(_DTYPES)})"
             )
         metas.append([name, list(t.shape)])
-    body = conv(header)
-    body["_blobs"] = [len(b) for b in blobs]
-    body["_tensors"] = metas
-    head = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+    if not isinstance(header, dict):
+        raise TypeError(f"a message header is a dict, got {type(header).__name__}")
+    text = _dumps(header, default=blob)  # C encoder: walks the header without a Python recursion
+    tail = _dumps({"_blobs": [len(b) for b in blobs], "_tensors": metas})
+    head = (text[:-1] + "," + tail[1:] if len(header) else tail).encode()
     parts: list[Any] = [_FIXED.pack(_MAGIC, VERSION, 0, len(head)), head, *blobs]
     parts.extend(_to_bytes(t) for t in tensors)
     return b"".join(parts)
@@ -112,7 +118,7 @@ def _nbytes(dtype: torch.dtype, shape: list[Any]) -> int:
         if not isinstance(s, int) or isinstance(s, bool) or s < 0:
             raise WireError(f"bad tensor shape {shape!r}")
         n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -135,8 +141,9 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
     pos = _FIXED.size
     if hlen > len(data) - pos:
         raise WireError(f"header length {hlen} exceeds the {len(data) - pos} bytes received")
+    raw_header = bytes(memoryview(data)[pos : pos + hlen])
     try:
-        body = json.loads(bytes(memoryview(data)[pos : pos + hlen]))
+        body = json.loads(raw_header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"header is not valid JSON: {exc}") from None
     pos += hlen
@@ -181,9 +188,7 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
             if n == 0:
                 t = torch.empty(shape, dtype=store)
             else:
-                t = torch.frombuffer(
-                    buf, dtype=store, count=n // torch.empty((), dtype=store).element_size(), offset=off
-                ).reshape(shape)
+                t = torch.frombuffer(buf, dtype=store, count=n // store.itemsize, offset=off).view(shape)
             tensors.append(t.view(torch.bool) if dtype == torch.bool else t)
             off += n
 
@@ -199,6 +204,8 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
             return [unconv(v) for v in x]
         return x
 
+    if not blobs and b'"$b"' not in raw_header:
+        return body, tensors  # nothing to substitute: skip the walk
     return unconv(body), tensors
 
 

@@ -1,0 +1,209 @@
+"""The parameter server's wire format and gRPC transport on their own (in this process, fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchstrategies.strategies.parameter_server import wire
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 4, generator=g).t(),  # not contiguous
+        torch.randn(5, generator=g).bfloat16(),  # no numpy dtype
+        torch.tensor([True, False, True]),
+        torch.tensor(3.5, dtype=torch.float64),  # 0-d
+        torch.empty(0, 3),
+        torch.randn(2, 2, dtype=torch.complex64, generator=g),
+        torch.arange(-3, 3, dtype=torch.int8).reshape(2, 3),
+        torch.randn(4, generator=g).half(),
+        torch.arange(7, dtype=torch.int64)[::2],  # strided view
+        torch.randn(2, 3, generator=g, requires_grad=True),
+    ]
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_wire_round_trips_every_dtype_and_layout(copy):
+    sent = _tensors()
+    header = {"op": "push", "entries": [["1/0", "dense"]], "blob": b"\x00\xff", "n": None}
+    got_header, got = wire.decode(wire.encode(header, sent), copy=copy)
+    assert got_header == header
+    assert len(got) == len(sent)
+    for a, b in zip(sent, got, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape and not b.requires_grad
+        assert torch.equal(b, a.detach()), (a, b)
+
+
+def test_wire_decode_copy_owns_its_memory():
+    t = torch.arange(4, dtype=torch.float32)
+    data = bytearray(wire.encode({}, [t]))
+    _, (owned,) = wire.decode(bytes(data))
+    owned.add_(1)  # writable, and not a view of the message
+    _, (again,) = wire.decode(bytes(data))
+    assert again.tolist() == [0, 1, 2, 3] and owned.tolist() == [1, 2, 3, 4]
+
+
+# ---- the transport: RpcServer and RpcClient in this process --------------------------------------------
+SECRET = b"transport-test-secret-0123456789"
+
+
+class _Served:
+    """An RpcServer with a ps-like handler that records what it ran."""
+
+    def __init__(self, services=("ParameterServer", "Worker", "Control")):
+        import threading
+
+        from torchstrategies.strategies.parameter_server.auth import JobAuth
+        from torchstrategies.strategies.parameter_server.transport import RpcServer, call_abandoned
+
+        self.auth = JobAuth(SECRET)
+        self.ran: list[tuple[str, str]] = []
+        self.abandoned = threading.Event()
+        self.release = threading.Event()
+
+        def handler(role, op, header, tensors):
+            self.ran.append((role, op))
+            if op == "pull":
+                return {"echo": header.get("keys")}, [t * 2 for t in tensors] or [torch.arange(3.0)]
+            if op == "push" and header.get("sleep"):
+                while not self.release.wait(0.05):
+                    if call_abandoned():
+                        self.abandoned.set()
+                        break
+                return {}, []
+            if op == "push" and header.get("fail"):
+                raise KeyError("no such shard")
+            return {"role": role}, []
+
+        self.server = RpcServer(handler, services, "127.0.0.1", self.auth)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def client(self, role="task", timeout=10.0, auth=None):
+        from torchstrategies.strategies.parameter_server.transport import RpcClient
+
+        return RpcClient(self.address, "ps:0", timeout, auth or self.auth, role, hello={"op": "hello"})
+
+
+@pytest.fixture(params=["own-thread", "queue"])
+def served(request, monkeypatch):
+    """Both stream implementations: the caller-driven one and gRPC's public API (the fallback)."""
+    from torchstrategies.strategies.parameter_server import streams
+
+    monkeypatch.setattr(streams, "_use_own_thread", request.param == "own-thread")
+    s = _Served()
+    yield s
+    s.release.set()
+    s.server.close(grace=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_requests_travel_on_reused_streams_and_keep_their_order(served):
+    import threading
+
+    c = served.client()
+    for i in range(20):  # one stream, reused: each reply answers its own request
+        reply, (out,) = c.call({"op": "pull", "keys": [f"{i}/0"]}, [torch.full((2,), float(i))])
+        assert reply["echo"] == [f"{i}/0"] and out.tolist() == [2.0 * i, 2.0 * i]
+    assert len(served.server._streams) == 1
+    errors: list[BaseException] = []
+
+    def hammer(k):
+        try:
+            for i in range(10):
+                reply, (out,) = c.call({"op": "pull", "keys": [k]}, [torch.full((1,), float(i))])
+                assert reply["echo"] == [k] and out.item() == 2.0 * i
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(f"t{j}",)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert 1 <= len(served.server._streams) <= 4  # concurrent callers used their own streams
+    with pytest.raises(Exception) as info:  # a handler's error comes back, the stream stays usable
+        from torchstrategies.strategies.parameter_server.transport import RemoteError
+
+        c.call({"op": "push", "fail": True})
+    assert isinstance(info.value, RemoteError) and isinstance(info.value.exc, KeyError)
+    assert c.call({"op": "pull"})[1][0].tolist() == [0.0, 1.0, 2.0]
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_reply_is_a_deadline_error_and_an_abort_cancels_the_call(served):
+    import threading
+
+    from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
+
+    c = served.client(timeout=0.5)
+    with pytest.raises(DeadlineExceededError, match="did not answer 'push' within 0.5s"):
+        c.call({"op": "push", "sleep": True})
+    assert c.broken
+    with pytest.raises(UnavailableError):  # a client that missed a deadline stays failed
+        c.call({"op": "pull"})
+    assert served.abandoned.wait(10)  # the server saw the request abandoned (the stream was cancelled)
+    c.close()
+    served.abandoned.clear()
+    c = served.client()
+    abort = threading.Event()
+    threading.Timer(0.3, abort.set).start()
+    with pytest.raises(CancelledError, match="abandoned"):
+        c.call({"op": "push", "sleep": True}, timeout=None, abort=abort)
+    assert served.abandoned.wait(10) and not c.broken
+    served.release.set()
+    assert c.call({"op": "pull"})[1][0].tolist() == [0.0, 1.0, 2.0]  # a new stream
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_streams_are_authenticated_and_authorised_before_a_request_is_read(served):
+    import grpc
+
+    from torchstrategies.errors import UnavailableError
+    from torchstrategies.strategies.parameter_server import wire
+    from torchstrategies.strategies.parameter_server.auth import JobAuth
+    from torchstrategies.strategies.parameter_server.transport import RemoteError
+
+    task = served.client("task")
+    with pytest.raises(RemoteError, match="for the chief only"):  # a chief-only method on the ps stream
+        task.call({"op": "create_optimizer", "cls": b"\x80\x04evil", "groups": b"", "oid": 1})
+    with pytest.raises(UnavailableError, match="PERMISSION_DENIED"):  # the Worker stream is the chief's
+        task.call({"op": "exec", "closure": b"\x80\x04evil"})
+    assert ("task", "create_optimizer") not in served.ran and ("task", "exec") not in served.ran
+    chief = served.client("chief")
+    assert chief.call({"op": "setup"})[0]["role"] == "chief"
+    assert ("chief", "setup") in served.ran
+    before = list(served.ran)
+    body = wire.encode({"op": "exec", "closure": b"\x80\x04evil"})
+    for token in (None, "0" * 64, JobAuth(b"another-jobs-secret-0123456789").token("chief")):
+        md = None if token is None else (("x-ts-auth", token),)
+        with grpc.insecure_channel(served.address) as ch:
+            call = ch.stream_stream("/torchstrategies.ps.v1.Worker/Stream")(iter([body]), metadata=md, timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert served.ran == before  # nothing reached the handler
+    task.close()
+    chief.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_either_side_fails_later_calls_with_a_named_error(served):
+    from torchstrategies.errors import UnavailableError
+
+    c = served.client()
+    c.call({"op": "pull"})
+    c.close()
+    with pytest.raises(UnavailableError, match="ps:0"):
+        c.call({"op": "pull"})
+    c = served.client()
+    c.call({"op": "pull"})
+    served.server.close(grace=0.5)  # cancels the idle stream at once
+    assert not served.server._streams
+    with pytest.raises(UnavailableError, match="ps:0"):
+        c.call({"op": "pull"})
+    c.close()
