@@ -328,7 +328,7 @@ class MirroredExtended(StrategyExtended):
         # on CPU): sum with its kernel directly, without building PerReplica values and destinations.
         local_sum = ops._sum if type(ops) is ReductionToOneDevice and ops.reduce_to_device is None else None
         pairs, targets = [], []
-        fast: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
+        fast: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         seen: set[int] = set()
         for p in params:
             slot = slots.slot(p)
@@ -352,10 +352,11 @@ class MirroredExtended(StrategyExtended):
                     for g in grads
                 )
             ):
-                if ref.dtype in _FOREACH_EXACT and len(grads) > 1:
-                    fast.append((p, grads))  # summed below, all parameters in one foreach call per replica
+                dense = [g for g in grads if g is not None]  # every one, by the check above
+                if ref.dtype in _FOREACH_EXACT and len(dense) > 1:
+                    fast.append((p, dense))  # summed below, all parameters in one foreach call per replica
                 else:
-                    p.grad = local_sum(list(grads), None) if len(grads) > 1 else grads[0].clone()
+                    p.grad = local_sum(dense, None) if len(dense) > 1 else dense[0].clone()
                     slots.hand_down_gradient(p)
                 continue
             full = [
