@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "checks.h"
 #include "core/ring.h"
 
 namespace py = pybind11;
@@ -18,17 +19,12 @@ using core::ring::RingError;
 
 PyObject* g_ring_error = nullptr;
 
+// The kernels' one dtype table (checks.h).
 core::DType to_core(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return core::DType::kFloat32;
-    case at::kDouble: return core::DType::kFloat64;
-    case at::kHalf: return core::DType::kFloat16;
-    case at::kBFloat16: return core::DType::kBFloat16;
-    case at::kInt: return core::DType::kInt32;
-    case at::kLong: return core::DType::kInt64;
-    default: TORCH_CHECK(false, "ring all_reduce: unsupported dtype ", t,
-                         " (supported: float32, float64, float16, bfloat16, int32, int64)");
-  }
+  const std::optional<core::DType> d = kernel_dtype(t);
+  TORCH_CHECK(d.has_value(), "ring all_reduce: unsupported dtype ", t,
+              " (supported: float32, float64, float16, bfloat16, int32, int64)");
+  return *d;
 }
 
 const char* dtype_name(int d) {
