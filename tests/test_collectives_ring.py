@@ -19,11 +19,9 @@ def test_every_op_and_dtype_matches_torch(world):
 
 
 @pytest.mark.timeout(90)
-# Known bug (issue 15 stays open for it): under load, a rank still finishing call k can see the ring torn down
-# by the mismatch the faster ranks find in call k+1; it then fails call k with that later mismatch's error
-# (an error, not a wrong value) and rebuilds the ring one generation out of step with the others, whose
-# set-up then times out. Reproduced about once in five runs with two busy loops beside it.
-@pytest.mark.xfail(strict=False, reason="recovery after a mismatch races under load (issue 15, open)")
+# Under load a rank can still be finishing the call before the mismatched one when its faster neighbours find
+# the mismatch and close the ring; it must complete that call and fail the next with the same ValueError
+# (this raced before: reproduced about once in five runs with two busy loops beside it).
 def test_a_call_differing_on_one_rank_raises_value_error_on_every_rank_then_recovers():
     res = run_ranks(R.mismatch_one_rank, 3, timeout=80)
     for rank, out in enumerate(res):

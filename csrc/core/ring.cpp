@@ -625,11 +625,15 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
       deadline = now_s() + timeout_s;
       continue;
     }
-    // Nothing moved: wait for the sockets (bounded), watching the right neighbour for a hang-up too.
+    // Nothing moved: wait for the sockets (bounded), watching the right neighbour for a hang-up too while
+    // this call still has bytes for it. Once everything is sent, a hang-up there is not this call's failure:
+    // the right neighbour may have finished this call and closed the ring over a later call's mismatch (the
+    // next call here sees the closed connection), and the bytes from the left are all this call still needs.
     skip();
     const bool want_out = (hout < sizeof(Header)) || sendable() > 0;
     const bool recv_pending = !(hdr_ok && rs >= S);
-    pollfd pf[2] = {{threaded ? -1 : send_fd_, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
+    const bool watch_right = !threaded && !(hout == sizeof(Header) && ss >= S);
+    pollfd pf[2] = {{watch_right ? send_fd_ : -1, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
                     {recv_fd_, static_cast<short>(recv_pending ? POLLIN : 0), 0}};
     const int ms = ms_left(deadline);
     // With a sender thread, wake every 50 ms to see whether it failed.

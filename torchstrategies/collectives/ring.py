@@ -63,6 +63,10 @@ _SETTINGS_HINT = (" (settings: TORCHSTRATEGIES_RING_SMALL_BYTES and TORCHSTRATEG
 MEASURED_FASTER: tuple[tuple[int, int], ...] = ((0, 1 << 40),)
 
 _comms: weakref.WeakKeyDictionary[Any, RingCommunicator] = weakref.WeakKeyDictionary()
+# How many rings each group has had in this process: the n-th ring's store keys carry n. Every rank agrees on
+# n because a ring fails on every rank exactly once (a failing rank closes its connections, so the others'
+# next call on it fails too; a call that has sent everything waits only on its left neighbour, so a ring
+# closed over a later call does not fail an earlier one), and each failure is followed by one new ring.
 _created: dict[tuple[int, ...], itertools.count] = {}
 
 
