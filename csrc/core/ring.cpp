@@ -101,6 +101,32 @@ int io_all(int fd, void* buf, size_t len, bool write, double deadline, int* err)
   return 0;
 }
 
+// One non-blocking sendmsg of what is left of the call descriptor (from *hdr_done) followed by up to `len`
+// bytes at `data`. Returns the data bytes written (advancing *hdr_done past the descriptor bytes written),
+// kWouldBlock when the socket took nothing, or kSendFailed on a connection error (errno says which).
+constexpr ssize_t kWouldBlock = -1;
+constexpr ssize_t kSendFailed = -2;
+ssize_t send_some(int fd, const Header& h, size_t* hdr_done, const char* data, size_t len) {
+  iovec iov[2];
+  int k = 0;
+  if (*hdr_done < sizeof(Header)) {
+    iov[k++] = {reinterpret_cast<char*>(const_cast<Header*>(&h)) + *hdr_done, sizeof(Header) - *hdr_done};
+  }
+  if (len) iov[k++] = {const_cast<char*>(data), len};
+  if (k == 0) return 0;
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = k;
+  const ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (w <= 0) {
+    return w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? kSendFailed : kWouldBlock;
+  }
+  size_t rest = static_cast<size_t>(w);
+  const size_t hh = std::min(rest, sizeof(Header) - *hdr_done);
+  *hdr_done += hh;
+  return static_cast<ssize_t>(rest - hh);
+}
+
 // ---- element-wise combine for MIN / MAX / PRODUCT (SUM / MEAN use core::reduce_range) -----------------
 template <typename T, typename Acc>
 void combine_loop(int op, T* out, const T* const* xs, int n, int64_t len) {
@@ -455,29 +481,14 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
           dl = now_s() + timeout_s;
           continue;
         }
-        iovec iov[2];
-        int k = 0;
-        if (h < sizeof(Header)) iov[k++] = {reinterpret_cast<char*>(const_cast<Header*>(&mine)) + h, sizeof(Header) - h};
-        if (avail) iov[k++] = {steps[s].send + off, avail};
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = k;
-        const ssize_t w = ::sendmsg(send_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w > 0) {
-          size_t rest = static_cast<size_t>(w);
-          if (h < sizeof(Header)) {
-            const size_t hh = std::min(rest, sizeof(Header) - h);
-            h += hh;
-            rest -= hh;
-          }
-          off += rest;
-          sent += rest;
+        const ssize_t w = send_some(send_fd_, mine, &h, avail ? steps[s].send + off : nullptr, avail);
+        if (w >= 0) {
+          off += static_cast<size_t>(w);
+          sent += static_cast<uint64_t>(w);
           dl = now_s() + timeout_s;
           continue;
         }
-        if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          return record(RingError::kPeerDead, "sending to it failed (" + err_text(errno) + ")");
-        }
+        if (w == kSendFailed) return record(RingError::kPeerDead, "sending to it failed (" + err_text(errno) + ")");
         pollfd pf{send_fd_, static_cast<short>(POLLOUT | POLLIN), 0};
         const int ms = ms_left(dl);
         if (ms <= 0) return record(RingError::kTimeout, "it did not take data within the timeout");
@@ -525,26 +536,13 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
     bool moved = false;
     size_t avail = 0;
     if (!send_done) {
-      iovec iov[2];
-      int k = 0;
-      if (hout < sizeof(Header)) iov[k++] = {reinterpret_cast<char*>(const_cast<Header*>(&mine)) + hout, sizeof(Header) - hout};
       avail = sendable();
-      if (avail) iov[k++] = {steps[ss].send + soff, avail};
-      if (k) {
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = k;
-        const ssize_t w = ::sendmsg(send_fd_, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w > 0) {
+      if (hout < sizeof(Header) || avail) {
+        const ssize_t w = send_some(send_fd_, mine, &hout, avail ? steps[ss].send + soff : nullptr, avail);
+        if (w >= 0) {
           moved = true;
-          size_t left_w = static_cast<size_t>(w);
-          if (hout < sizeof(Header)) {
-            const size_t h = std::min(left_w, sizeof(Header) - hout);
-            hout += h;
-            left_w -= h;
-          }
-          soff += left_w;
-        } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          soff += static_cast<size_t>(w);
+        } else if (w == kSendFailed) {
           die(RingError::kPeerDead, right, "sending to it failed (" + err_text(errno) + ")");
         }
       }
