@@ -27,6 +27,29 @@ def _expect_value_error(fn) -> str:
     return "no error"
 
 
+def fault_outcome(call, how: str, rank: int, victim: int, victim_pid: int, tag: str) -> tuple:
+    """Runs ``call()`` on a survivor and returns (error type, message); for a SIGSTOP, rank 0 then kills the
+    frozen victim once every survivor has its error (so the harness can end)."""
+    from torchstrategies.errors import DeadlineExceededError, UnavailableError
+
+    try:
+        call()
+        result: tuple = ("no error", "")
+    except (UnavailableError, DeadlineExceededError) as e:
+        result = (type(e).__name__, str(e))
+    except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+        result = (f"other {type(e).__name__}", str(e))
+    if how == "stop":
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{tag}/done/{rank}", "1")
+        if rank == 0:
+            from datetime import timedelta
+
+            store.wait([f"{tag}/done/{r}" for r in range(victim)], timedelta(seconds=60))
+            os.kill(victim_pid, signal.SIGKILL)
+    return result
+
+
 def mismatches(rank: int, world: int, impl: str) -> dict:
     """Each mismatched call raises ValueError on every rank (never a crash or a silent result); a correct
     call afterwards still gives the right value."""
@@ -94,7 +117,6 @@ def peer_fault(rank: int, world: int, impl: str, how: str, timeout: float, mid_c
     they got: (type name, message)."""
     from torchstrategies import collectives as C
     from torchstrategies.collectives import descriptor
-    from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
     opts = _opts(impl, timeout)
     C.all_reduce_(torch.ones(1000), options=opts)  # set-up (segments, layouts) done while all are alive
@@ -116,22 +138,8 @@ def peer_fault(rank: int, world: int, impl: str, how: str, timeout: float, mid_c
             fail()
 
         descriptor.check = check_then_fail
-    try:
-        C.all_reduce_(torch.ones(1000), options=opts)
-        result: tuple = ("no error", "")
-    except (UnavailableError, DeadlineExceededError) as e:
-        result = (type(e).__name__, str(e))
-    except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
-        result = (f"other {type(e).__name__}", str(e))
-    if how == "stop":  # clean up the frozen rank once every survivor has its error
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"fault_test/done/{rank}", "1")
-        if rank == 0:
-            from datetime import timedelta
-
-            store.wait([f"fault_test/done/{r}" for r in range(victim)], timedelta(seconds=60))
-            os.kill(pids[victim], signal.SIGKILL)
-    return result
+    return fault_outcome(lambda: C.all_reduce_(torch.ones(1000), options=opts), how, rank, victim, pids[victim],
+                         "fault_test")
 
 
 def dies_before_attach(rank: int, world: int) -> tuple:

@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _fault_bodies import fault_outcome
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
 
@@ -111,7 +112,6 @@ def fault_mid_exchange(rank: int, world: int, how: str, timeout: float) -> tuple
     """The last rank SIGKILLs / SIGSTOPs itself while every rank loops large ring all-reduces (the others are
     inside the data exchange); the others report (error type, message)."""
     from torchstrategies import collectives as C
-    from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
     opts = C.CommunicationOptions(implementation="RING", timeout_seconds=timeout)
     x = torch.ones(1 << 21)  # 8 MiB: each call spends its time in the exchange
@@ -123,23 +123,12 @@ def fault_mid_exchange(rank: int, world: int, how: str, timeout: float) -> tuple
         sig = signal.SIGKILL if how == "kill" else signal.SIGSTOP
         threading.Timer(0.3, lambda: os.kill(os.getpid(), sig)).start()
     t0 = time.monotonic()
-    try:
+
+    def loop() -> None:
         while time.monotonic() - t0 < 60:
             C.all_reduce_(x, options=opts)
-        result: tuple = ("no error", "")
-    except (UnavailableError, DeadlineExceededError) as e:
-        result = (type(e).__name__, str(e))
-    except Exception as e:  # noqa: BLE001
-        result = (f"other {type(e).__name__}", str(e))
-    if how == "stop":
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"ring_fault/done/{rank}", "1")
-        if rank == 0:
-            from datetime import timedelta
 
-            store.wait([f"ring_fault/done/{r}" for r in range(victim)], timedelta(seconds=60))
-            os.kill(pids[victim], signal.SIGKILL)
-    return result
+    return fault_outcome(loop, how, rank, victim, pids[victim], "ring_fault")
 
 
 def hierarchical_uses_ring(rank: int, world: int) -> dict:
