@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import pytest
 import torch
@@ -33,6 +34,9 @@ def _registry() -> Registry:
 def _run(reg: Registry, fn, args=(), kwargs=None):
     """Pickles the closure as schedule() does and runs it as a worker would."""
     blob, _, _ = reg.dumps_closure(fn, tuple(args), dict(kwargs or {}))
+    entry = reg.function_cache._entries.get(getattr(fn, "__code__", None))
+    if entry is not None and reg.function_cache.fingerprint(fn) is not None:
+        assert entry.blob == reg.dumps(fn)[0]    # what the cache sends is what pickling afresh gives
     f, a, k = _Unpickler(blob, None).load()  # type: ignore[arg-type]
     return f(*a, **k)
 
@@ -112,6 +116,27 @@ def test_rebound_closure_cell_is_seen():
     factor = 5
     assert _run(reg, fn, (4,)) == 20
     assert reg.function_cache.pickled == 2
+
+
+def test_which_closure_cells_are_shared_is_part_of_the_fingerprint():
+    def make():
+        x = 1
+
+        def g():
+            return x
+
+        def top():
+            return g() + x
+        return top
+
+    top = make()
+    cells = {name: cell for name, cell in zip(top.__code__.co_freevars, top.__closure__)}
+    own = types.FunctionType(top.__code__, top.__globals__, closure=tuple(
+        types.CellType(1) if name == "x" else cells[name] for name in top.__code__.co_freevars))
+    reg = _registry()
+    assert _run(reg, top) == _run(reg, own) == 2
+    assert reg.function_cache.pickled == 2   # same code and values, but top shares its cell x with g
+    assert reg.function_cache._entries[own.__code__].blob == reg.dumps(own)[0]
 
 
 def test_nonlocal_counter_on_the_worker_starts_from_the_chief_value_each_closure():

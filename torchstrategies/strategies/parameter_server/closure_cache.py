@@ -76,6 +76,8 @@ class _Walk:
         self.top = top
         self.out: list[Any] = []
         self.walked: set[int] = set()
+        self.cells: dict[int, int] = {}   # closure cells met so far -> the order they were first met in
+        self.cell_pattern: list[int] = []  # for each cell met: that number (which cells are shared)
 
     def function(self, f: types.FunctionType, depth: int) -> None:
         self.out.append(_TOP if f is self.top else f)
@@ -109,6 +111,7 @@ class _Walk:
             else:
                 self.value(v, depth)
         for cell in f.__closure__ or ():
+            self.cell_pattern.append(self.cells.setdefault(id(cell), len(self.cells)))
             try:
                 v = cell.cell_contents
             except ValueError:
@@ -215,6 +218,7 @@ class FunctionCache:
             return None
         if walk.out[1]:                   # pickled by reference: cheap already
             return None
+        walk.out.append(tuple(walk.cell_pattern))         # compared by value, the rest by identity
         return walk.out
 
     def lookup(self, fn: types.FunctionType, fingerprint: list[Any]) -> _Entry | None:
@@ -226,7 +230,8 @@ class FunctionCache:
             if entry is None or entry.num_modules != len(sys.modules):
                 return None
             old = entry.fingerprint
-            if len(old) != len(fingerprint) or any(a is not b for a, b in zip(old, fingerprint)):
+            if len(old) != len(fingerprint) or old[-1] != fingerprint[-1] or \
+                    any(a is not b for a, b in zip(old[:-1], fingerprint)):
                 return None
             self._entries.move_to_end(fn.__code__)
             self.hits += 1
