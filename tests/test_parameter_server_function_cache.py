@@ -208,6 +208,20 @@ def test_a_function_in_the_arguments_is_pickled_with_the_function():
     assert blob == reg.dumps((apply, (helper, 3), {}))[0]     # the uncached pickle, in one piece
 
 
+def test_tf_style_strategy_run_wrapper_is_cached_and_runs_its_replica_function():
+    reg = _registry()
+    strategy = reg.strategy                     # sent by reference: a worker's one-replica view
+
+    def replica_fn(x):
+        return x * SCALE
+
+    def step(x):
+        return strategy.run(replica_fn, args=(x,))
+
+    assert [_run(reg, step, (i,)) for i in (1, 2)] == [2, 4]
+    assert (reg.function_cache.pickled, reg.function_cache.hits) == (1, 1)
+
+
 def test_registered_module_and_optimizer_are_references_and_cacheable():
     reg = _registry()
     model = torch.nn.Linear(3, 2)

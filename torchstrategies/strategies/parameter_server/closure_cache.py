@@ -27,6 +27,7 @@ closure exactly as without the cache.
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 from collections import OrderedDict
@@ -186,9 +187,11 @@ class FunctionCache:
     Args:
         registry: the chief's :class:`~torchstrategies.strategies.parameter_server.registry.Registry`.
 
+    ``Registry.dumps_closure`` (what ``ClusterCoordinator.schedule`` calls) is its one user.
+
     Example:
-        >>> cache = FunctionCache(registry)                                   # doctest: +SKIP
-        >>> cache.lookup(train_step) is None   # first time: pickle it, then cache.store(...)  # doctest: +SKIP
+        >>> fingerprint = cache.fingerprint(train_step)       # None: not cacheable    # doctest: +SKIP
+        >>> entry = cache.lookup(train_step, fingerprint)     # None: pickle it, store  # doctest: +SKIP
     """
 
     def __init__(self, registry: Any):
@@ -205,6 +208,7 @@ class FunctionCache:
 
     @staticmethod
     def enabled() -> bool:
+        """Whether the installed cloudpickle exposes the rules the fingerprint follows."""
         return _extract_code_globals is not None and _should_pickle_by_reference is not None
 
     def fingerprint(self, fn: Any) -> list[Any] | None:
@@ -214,7 +218,7 @@ class FunctionCache:
         walk = _Walk(self._registry, fn)
         try:
             walk.function(fn, 0)
-        except _Uncacheable:
+        except Exception:  # noqa: BLE001 - _Uncacheable, or an attribute that fails: pickle as without cache
             return None
         if walk.out[1]:                   # pickled by reference: cheap already
             return None
@@ -223,8 +227,6 @@ class FunctionCache:
 
     def lookup(self, fn: types.FunctionType, fingerprint: list[Any]) -> _Entry | None:
         """The entry for ``fn`` if its fingerprint is the very same objects, else None."""
-        import sys
-
         with self._lock:
             entry = self._entries.get(fn.__code__)
             if entry is None or entry.num_modules != len(sys.modules):
@@ -239,6 +241,7 @@ class FunctionCache:
 
     def store(self, fn: types.FunctionType, fingerprint: list[Any], num_modules: int, blob: bytes, refs: set,
               pwv: list) -> _Entry:
+        """Keeps the pickle of ``fn`` (``blob``, with the references and per-worker values it recorded)."""
         entry = _Entry(fingerprint, num_modules, blob, refs, pwv)
         with self._lock:
             self.pickled += 1
