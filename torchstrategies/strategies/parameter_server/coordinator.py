@@ -242,7 +242,7 @@ class ClusterCoordinator:
         reg = self._registry
         reg.push_chief_assignments()
         reg.push_hyperparameters()
-        blob, refs, pwv = reg.dumps((fn, args, kwargs))
+        blob, refs, pwv = reg.dumps_closure(fn, args, kwargs)
         closure = _Closure(blob, refs, pwv)
         self._queue.put(closure)
         return closure.remote_value

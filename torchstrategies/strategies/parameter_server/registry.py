@@ -13,13 +13,16 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import sys
 import threading
+import types
 from typing import Any
 
 import cloudpickle
 import torch
 
 from torchstrategies.partitioners import num_shards_from, shard_offsets
+from torchstrategies.strategies.parameter_server.closure_cache import FunctionCache
 from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
 from torchstrategies.strategies.parameter_server.specs import ShardSpec, VarSpec
 from torchstrategies.strategies.parameter_server.variables import PSVariable
@@ -39,15 +42,37 @@ class _ChiefSyncHook:
         self.registry.sync_to_chief()
 
 
+class _FunctionBytes:
+    """Stands for a scheduled function already pickled (from the FunctionCache) in a closure's pickle."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes):
+        self.blob = blob
+
+
+class _FunctionInArguments(Exception):
+    """The arguments hold a function pickled by value: pickle the closure in one piece, as without the cache
+    (functions pickled together share their globals on the worker)."""
+
+
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file, registry: Registry, root: Any = None):
+    def __init__(self, file, registry: Registry, root: Any = None, pwv: list[PerWorkerValues] | None = None,
+                 arguments_only: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.registry = registry
         self.root = root            # structure mode: the module being described, pickled by value
         self.refs: set[tuple] = set()
-        self.pwv: list[PerWorkerValues] = []
+        self.pwv: list[PerWorkerValues] = pwv if pwv is not None else []
+        self.arguments_only = arguments_only   # the function is a _FunctionBytes; no other function allowed
 
     def persistent_id(self, obj):
+        if self.arguments_only:
+            t = type(obj)
+            if t is _FunctionBytes:
+                return ("fn", obj.blob)
+            if t is types.FunctionType and not FunctionCache.by_reference(obj):
+                raise _FunctionInArguments
         reg = self.registry
         if isinstance(obj, torch.Tensor):
             vid = reg.param_vid.get(id(obj))
@@ -130,6 +155,7 @@ class Registry:
         self._next_ps = 0
         self.dirty = False                     # closures ran since the chief last refreshed its copies
         self._syncing = False
+        self.function_cache = FunctionCache(self)
 
     def new_id(self) -> int:
         with self.lock:
@@ -336,6 +362,31 @@ class Registry:
         pickler = _Pickler(buf, self)
         pickler.dump(obj)
         return buf.getvalue(), pickler.refs, pickler.pwv
+
+    def dumps_closure(self, fn: Any, args: tuple, kwargs: dict) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
+        """``dumps((fn, args, kwargs))``, reusing the pickle of ``fn`` from the :class:`FunctionCache`.
+
+        A cached function travels inside the closure's pickle as a persistent id ``("fn", its pickle)``,
+        which the worker unpickles in place (with the same references); the arguments are pickled every time.
+        """
+        cache = self.function_cache
+        fingerprint = cache.fingerprint(fn)
+        if fingerprint is None:
+            return self.dumps((fn, args, kwargs))
+        entry = cache.lookup(fn, fingerprint)
+        if entry is None:
+            num_modules = len(sys.modules)
+            buf = io.BytesIO()
+            pickler = _Pickler(buf, self)
+            pickler.dump(fn)
+            entry = cache.store(fn, fingerprint, num_modules, buf.getvalue(), pickler.refs, pickler.pwv)
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, self, pwv=list(entry.pwv), arguments_only=True)
+        try:
+            pickler.dump((_FunctionBytes(entry.blob), args, kwargs))
+        except _FunctionInArguments:
+            return self.dumps((fn, args, kwargs))
+        return buf.getvalue(), entry.refs | pickler.refs, pickler.pwv
 
     def defs_for(self, refs: set[tuple], sent: set[tuple]) -> dict:
         """The definitions a worker needs for ``refs`` that it was not sent yet (``sent`` is updated)."""

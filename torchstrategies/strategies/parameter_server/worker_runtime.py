@@ -176,6 +176,8 @@ class _Unpickler(pickle.Unpickler):
             return rt.variable(pid[1])
         if kind == "pwv":
             return self._pwv[pid[1]]
+        if kind == "fn":       # the scheduled function, pickled apart by the chief's FunctionCache
+            return _Unpickler(pid[1], rt, self._pwv).load()
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
