@@ -140,3 +140,25 @@ def test_the_shipped_tf_script_compiles_and_imports_only_tensorflow_numpy_and_th
             roots.add(node.module.split(".")[0])
     third_party = roots - set(sys.stdlib_module_names)
     assert third_party == {"tensorflow", "numpy"}, roots
+
+
+def test_the_cli_passes_tf_python_and_tf_inter_op_to_bench_train(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from torchstrategies.bench import train
+    from torchstrategies.bench.report import BenchResult
+    from torchstrategies.cli import main
+
+    python, _ = _fake(tmp_path)
+    seen: list[dict] = []
+
+    def fake_run(nproc=2, in_process=True, tf_python=None, tf_inter_op=None, progress=True):
+        seen.append({"tf_python": tf_python, "tf_inter_op": tf_inter_op})
+        return BenchResult("t", ["runner"], [{"runner": "x"}])
+
+    monkeypatch.setattr(train, "run", fake_run)
+    r = CliRunner().invoke(main, ["bench", "train", "--tf-python", python, "--tf-inter-op", "1", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert seen == [{"tf_python": python, "tf_inter_op": 1}]
+    r = CliRunner().invoke(main, ["bench", "train", "--tf-python", str(tmp_path / "absent")])
+    assert r.exit_code == 2 and "absent" in r.output
