@@ -33,10 +33,16 @@ _cache: dict[tuple[CodeType, int, bool], bool] = {}
 _SUPPORTED = sys.version_info >= (3, 11)
 
 
-def _caller_code() -> CodeType | None:
-    from torchstrategies.distribute.mirrored_run import _Replica
+_caller: list[CodeType] = []
 
-    return _Replica.call.__code__
+
+def _caller_code() -> CodeType:
+    """The code of ``_Replica.call``, the frame that calls a replica function."""
+    if not _caller:
+        from torchstrategies.distribute.mirrored_run import _Replica
+
+        _caller.append(_Replica.call.__code__)
+    return _caller[0]
 
 
 def _next_ops(code: CodeType, lasti: int) -> tuple[list[dis.Instruction], bool]:
