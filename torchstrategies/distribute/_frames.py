@@ -29,7 +29,8 @@ __all__ = ["ends_replica_fn"]
 
 _MAX_DEPTH = 12  # frames between merge_call and fn that are looked at
 _CACHE_LIMIT = 4096
-_cache: dict[tuple[CodeType, int, bool], bool] = {}
+# (id(code), offset, drops) -> (code, answer); keyed by id because hashing a code object is not cached
+_cache: dict[tuple[int, int, bool], tuple[CodeType, bool]] = {}
 _SUPPORTED = sys.version_info >= (3, 11)
 
 
@@ -64,10 +65,10 @@ def _covered_by_handler(code: CodeType, lasti: int) -> bool:
 def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool:
     """Whether the frame at ``lasti`` returns the call's value (``drops``: drops it and returns a constant
     or a local)."""
-    key = (code, lasti, drops)
+    key = (id(code), lasti, drops)
     hit = _cache.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is code:
+        return hit[1]
     after, is_call = _next_ops(code, lasti)
     ok = is_call and not _covered_by_handler(code, lasti)
     if ok:
@@ -82,7 +83,7 @@ def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool:
             ok = bool(ops) and ops[0][0] == "RETURN_VALUE"
     if len(_cache) >= _CACHE_LIMIT:
         _cache.clear()
-    _cache[key] = ok
+    _cache[key] = (code, ok)
     return ok
 
 
