@@ -210,11 +210,12 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
             replica on a small MLP; MirroredStrategy(2) eager and torch.compile-d on the MLP), measured in
             this process after the torchrun job.
         tf_python: a Python that has TensorFlow (None: the environment variable TORCHSTRATEGIES_TF_PYTHON,
-            if set): adds TF's MirroredStrategy(2) and OneDeviceStrategy rows to the in-process compile rows
-            and the column 'vs TF Mirrored(2)' (``bench/tf_baseline.py``). Needs ``in_process``.
+            if set and ``in_process``): adds TF's MirroredStrategy(2) and OneDeviceStrategy rows to the
+            in-process compile rows and the column 'vs TF Mirrored(2)' (``bench/tf_baseline.py``). Needs
+            ``in_process``.
         tf_inter_op: TF inter-op threads for those rows (default: one per replica).
     """
-    if tf_python is None:
+    if tf_python is None and in_process:
         tf_python = os.environ.get(ENV_TF_PYTHON) or None
     if tf_python is not None and not in_process:
         raise ValueError(f"tf_python={tf_python!r} adds in-process rows; it needs in_process=True")
