@@ -63,9 +63,11 @@ def test_a_replica_that_finishes_while_replica_0_waits_in_merge_call_is_named():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [2, 3])
 def test_calling_thread_path_equals_worker_path_equals_one_device(n):
-    """Three schedules of the same training: backward-only runs (no sync point: every replica in the
-    calling thread) with the step outside run; the step inside run (replica 0 reaches merge_call: workers);
-    and every replica on a worker (merge_call_timeout set). All equal one device exactly in float64."""
+    """Four schedules of the same training: backward-only runs (no sync point: every replica in the
+    calling thread) with the step outside run; the step ending the step function (every replica in the
+    calling thread, the merge deferred to the last); the step with code after it (replica 0 waits in
+    merge_call: workers); and every replica on a worker (merge_call_timeout set). All equal one device
+    exactly in float64."""
     torch.manual_seed(0)
     data = [(torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)) for _ in range(3)]
 
@@ -91,21 +93,29 @@ def test_calling_thread_path_equals_worker_path_equals_one_device(n):
             opt.zero_grad()
             loss(model, x, y).backward()
 
-        def step(x, y):
+        def step(x, y):  # optimizer.step() ends fn: each replica ends at it, the last one merges
             threads.add(threading.get_ident())
             backward_only(x, y)
             opt.step()
+
+        def step_then_more(x, y):  # code after the step: replicas 1.. wait in merge_call on workers
+            backward_only(x, y)
+            opt.step()
+            threads.add(threading.get_ident())
 
         for x, y in s.experimental_distribute_dataset(data):
             if schedule == "calling_thread":
                 s.run(backward_only, args=(x, y))
                 opt.step()
+            elif schedule == "replica_0_syncs":
+                s.run(step_then_more, args=(x, y))
             else:
                 s.run(step, args=(x, y))
         return [p.detach().clone() for p in model.parameters()], threads
 
     want, _ = train("one_device")
-    for schedule, n_threads in (("calling_thread", 1), ("replica_0_syncs", n), ("workers", n)):
+    schedules = (("calling_thread", 1), ("step_ends_fn", 1), ("replica_0_syncs", n), ("workers", n))
+    for schedule, n_threads in schedules:
         got, threads = train(schedule)
         assert len(threads) == n_threads, schedule
         for g, w in zip(got, want, strict=True):
@@ -154,3 +164,103 @@ def test_local_gradient_sum_is_bit_for_bit_the_cross_device_ops_reduction(dtype)
         got.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
+
+
+def _record_merge(seen):
+    def merge_fn(strategy, value):
+        seen["merge"].append(threading.get_ident())
+        seen["args"].append(tuple(strategy.experimental_local_results(value)))
+        return value
+
+    return merge_fn
+
+
+def _seen():
+    """What the replicas and merges record (reaching fn by closure: a dict in ``args`` is mapped per replica)."""
+    return {"replica": [], "merge": [], "args": []}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_merge_call_that_ends_the_replica_function_runs_once_in_the_calling_thread(n):
+    s = ts.MirroredStrategy(num_replicas=n)
+    seen = _seen()
+
+    def fn():
+        seen["replica"].append(threading.get_ident())
+        ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+
+    s.run(fn)
+    me = threading.get_ident()
+    assert seen["replica"] == [me] * n and seen["merge"] == [me]
+    assert seen["args"] == [tuple(range(n))]
+
+
+@pytest.mark.timeout(30)
+def test_code_after_a_merge_call_or_a_handler_around_it_keeps_the_worker_schedule():
+    s = ts.MirroredStrategy(num_replicas=2)
+    me = threading.get_ident()
+    seen = _seen()
+
+    def then_more():
+        ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+        seen["replica"].append(threading.get_ident())
+
+    def in_try():
+        try:
+            ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+        except KeyError:
+            pass
+
+    def result_used():
+        return ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+
+    for fn in (then_more, in_try, result_used):
+        seen.update(_seen())
+        s.run(fn)
+        assert seen["args"] == [(0, 1)], fn.__name__
+        assert seen["merge"] != [me], fn.__name__  # the last replica, on its worker, merged
+
+
+@pytest.mark.timeout(30)
+def test_replica_0_ends_at_its_merge_call_while_replica_1_waits_in_the_calling_thread_for_replica_2():
+    s = ts.MirroredStrategy(num_replicas=3)
+    seen = _seen()
+    parts = {}
+
+    def fn():
+        if _rid() == 0:
+            ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+        else:
+            part = ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+            parts[_rid()] = (part, threading.get_ident())
+
+    s.run(fn)
+    assert seen["args"] == [(0, 1, 2)]
+    me = threading.get_ident()
+    assert parts[1] == (1, me) and parts[2][0] == 2 and parts[2][1] != me
+
+
+@pytest.mark.timeout(30)
+def test_deferred_merge_calls_that_a_replica_never_makes_are_named_and_a_failing_merge_raises():
+    s = ts.MirroredStrategy(num_replicas=3)
+    me = threading.get_ident()
+    threads = []
+
+    def replica_1_skips():
+        threads.append(threading.get_ident())
+        if _rid() != 1:
+            ts.get_replica_context().merge_call(lambda strategy: None)
+
+    with pytest.raises(RuntimeError, match=r"replicas \[1\] finished while replicas \[0, 2\] wait in merge_call"):
+        s.run(replica_1_skips)
+    assert threads == [me] * 3  # each ended at its merge_call, in the calling thread
+
+    def failing_merge():
+        ts.get_replica_context().merge_call(lambda strategy: threads.append(threading.get_ident()) or {}["key"])
+
+    threads.clear()
+    with pytest.raises(KeyError, match="key"):
+        s.run(failing_merge)
+    assert threads == [me]
+    assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)  # still usable

@@ -31,6 +31,7 @@ from typing import Any, cast
 
 from torchstrategies.bench.launch import run_torchrun
 from torchstrategies.bench.report import BenchResult, median
+from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
 
 __all__ = ["run", "plot", "register_runner", "RUNNERS", "RUNNER_MODULES", "BenchContext", "main"]
 
@@ -192,7 +193,8 @@ def _worker(args: dict[str, Any]) -> None:
 
 def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, warmup: int = 10, rounds: int = 3,
         batch: int = 64, progress: bool = True, modules: list[str] | None = None,
-        parameter_server: bool = False, in_process: bool = True) -> BenchResult:
+        parameter_server: bool = False, in_process: bool = True, tf_python: str | None = None,
+        tf_inter_op: int | None = None) -> BenchResult:
     """Launches torchrun with ``nproc`` ranks and measures samples/s of each runner.
 
     Args:
@@ -207,7 +209,16 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
         in_process: also append the in-process rows of ``bench/train_inproc.py`` (strategy overhead per
             replica on a small MLP; MirroredStrategy(2) eager and torch.compile-d on the MLP), measured in
             this process after the torchrun job.
+        tf_python: a Python that has TensorFlow (None: the environment variable TORCHSTRATEGIES_TF_PYTHON,
+            if set and ``in_process``): adds TF's MirroredStrategy(2) and OneDeviceStrategy rows to the
+            in-process compile rows and the column 'vs TF Mirrored(2)' (``bench/tf_baseline.py``). Needs
+            ``in_process``.
+        tf_inter_op: TF inter-op threads for those rows (default: one per replica).
     """
+    if tf_python is None and in_process:
+        tf_python = os.environ.get(ENV_TF_PYTHON) or None
+    if tf_python is not None and not in_process:
+        raise ValueError(f"tf_python={tf_python!r} adds in-process rows; it needs in_process=True")
     for m in RUNNER_MODULES + list(modules or []):
         __import__(m)
     names = list(strategies) if strategies else (
@@ -259,8 +270,11 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
         from torchstrategies.bench import train_inproc
 
         threads = int(env["OMP_NUM_THREADS"])
-        inproc = train_inproc.rows(steps=steps, warmup=warmup, rounds=rounds, threads=threads)
+        inproc = train_inproc.rows(steps=steps, warmup=warmup, rounds=rounds, threads=threads,
+                                   tf_python=tf_python, tf_inter_op=tf_inter_op)
         extra = ["steps/s", "overhead us/replica", "above 1-pass torch us/replica"]
+        if tf_python is not None:
+            extra.append(train_inproc.TF_COLUMN)
         rows.extend({c: r.get(c, "") for c in columns + extra} for r in inproc)
         columns += extra
         notes_extra.append("in-process rows: measured in this process after the torchrun job, "
@@ -268,6 +282,10 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
                            "global batch 32, overhead = '(step - plain torch step on the same N batch slices) / N "
                            "replicas'; compiled rows: MLP "
                            f"{'-'.join(map(str, SIZES))}, global batch 64, model compiled in scope")
+        notes_extra += [r["note"] for r in inproc if "note" in r]
+        if tf_python is None:
+            notes_extra.append("TF 2.21 baseline rows (MirroredStrategy(2), OneDeviceStrategy) are left out: add "
+                               f"them with --tf-python PATH or {ENV_TF_PYTHON}=PATH, a Python that has TensorFlow")
 
     return BenchResult(
         title=f"Training throughput, MLP {'-'.join(map(str, SIZES))}, batch {batch}/rank, {nproc} ranks",

@@ -11,8 +11,10 @@ interleaved over ``rounds`` (medians):
   the strategy's own cost. ``above 1-pass torch us/replica`` is ``(step time - full-batch torch step) /
   N``, which also counts the extra forward/backward passes N replicas make on N smaller batches.
 * compile: the MLP 784-1024-1024-10, global batch 64, as plain torch and MirroredStrategy(2) on CPU,
-  eager and ``torch.compile``-d (the model compiled inside the scope). ``steps/s`` compares with TF 2.21
-  MirroredStrategy's figure for the same model measured elsewhere.
+  eager and ``torch.compile``-d (the model compiled inside the scope). With ``tf_python`` (a Python that
+  has TensorFlow) the group also times TensorFlow's MirroredStrategy(2) and OneDeviceStrategy on the same
+  model (``tf_mirrored.py`` in a subprocess, one round of it after each torch round) and adds the column
+  ``vs TF Mirrored(2)``: a row's steps/s over TF MirroredStrategy(2)'s, both from this run.
 
 Example:
     >>> from torchstrategies.bench import train_inproc
@@ -21,16 +23,20 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchstrategies.bench.report import median
 
-__all__ = ["rows", "OVERHEAD_SIZES", "COMPILE_SIZES"]
+__all__ = ["rows", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN"]
 
 OVERHEAD_SIZES = (64, 64, 10)
 COMPILE_SIZES = (784, 1024, 1024, 10)
+COMPILE_BATCH = 64
+LR = 0.01
+TF_COLUMN = "vs TF Mirrored(2)"
 
 
 def _mlp(sizes: Sequence[int]) -> Any:
@@ -53,7 +59,7 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
     y = torch.randint(0, sizes[-1], (batch,))
     if kind == "torch":
         model = _mlp(sizes)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
         fwd = torch.compile(model) if compiled else model
         if replicas == 1:
 
@@ -77,7 +83,7 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
     )
     with strategy.scope():
         model = _mlp(sizes)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
         fwd = torch.compile(model) if compiled else model
     n = strategy.num_replicas_in_sync
     def split(t: Any) -> Any:
@@ -114,24 +120,48 @@ def rows(
     rounds: int = 3,
     groups: Sequence[str] = ("overhead", "compile"),
     threads: int | None = None,
+    tf_python: str | None = None,
+    tf_inter_op: int | None = None,
 ) -> list[dict[str, Any]]:
     """Measures the in-process rows; returns them in ``bench/train.py``'s table shape plus extra columns.
 
-    ``threads``: torch intra-op threads for the measurement (restored afterwards); None keeps the current.
+    Args:
+        steps / warmup / rounds: timed steps (the compile group times ``steps // 10``), untimed steps and
+            interleaved rounds.
+        groups: "overhead" and/or "compile".
+        threads: torch intra-op threads for the measurement (restored afterwards); None keeps the current.
+            TF's intra-op threads are the same number.
+        tf_python: a Python executable with TensorFlow: adds TF's rows to the compile group (None: no TF).
+        tf_inter_op: TF inter-op threads; None gives one per replica (``TFBaseline``'s default).
+
+    Raises:
+        ValueError: ``tf_python`` without the compile group.
+        TFBaselineError: the TF process failed (the message names the Python and shows its stderr).
     """
     import torch
 
+    if tf_python is not None and "compile" not in groups:
+        raise ValueError(f"tf_python={tf_python!r} adds rows to the compile group, which groups={groups!r} lacks")
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _rows(steps, warmup, rounds, groups)
+        if tf_python is None:
+            return _rows(steps, warmup, rounds, groups, None)
+        from torchstrategies.bench.tf_baseline import TFBaseline
+
+        with TFBaseline(tf_python, replicas=2, threads=torch.get_num_threads(), inter_op=tf_inter_op,
+                        sizes=COMPILE_SIZES, batch=COMPILE_BATCH, lr=LR) as tf:
+            return _rows(steps, warmup, rounds, groups, tf)
     finally:
         torch.set_num_threads(before)
 
 
-def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str]) -> list[dict[str, Any]]:
-    cases: list[tuple[str, str, str, int, Sequence[int], int, bool]] = []
+Case = tuple[str, str, str, int, Sequence[int], int, bool]
+
+
+def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: Any) -> list[dict[str, Any]]:
+    cases: list[Case] = []
     s: Sequence[int]
     if "overhead" in groups:
         s = OVERHEAD_SIZES
@@ -145,22 +175,36 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str]) -> list[d
             ("overhead", "in-process overhead: Mirrored(3)", "mirrored", 3, s, 32, False),
         ]
     if "compile" in groups:
-        s = COMPILE_SIZES
+        s, b = COMPILE_SIZES, COMPILE_BATCH
         cases += [
-            ("compile", "in-process torch eager", "torch", 1, s, 64, False),
-            ("compile", "in-process torch compiled", "torch", 1, s, 64, True),
-            ("compile", "in-process Mirrored(2) eager", "mirrored", 2, s, 64, False),
-            ("compile", "in-process Mirrored(2) compiled", "mirrored", 2, s, 64, True),
+            ("compile", "in-process torch eager", "torch", 1, s, b, False),
+            ("compile", "in-process torch compiled", "torch", 1, s, b, True),
+            ("compile", "in-process Mirrored(2) eager", "mirrored", 2, s, b, False),
+            ("compile", "in-process Mirrored(2) compiled", "mirrored", 2, s, b, True),
+        ]
+    tf_cases: list[Case] = []
+    if tf is not None:
+        version = tf.info.get("tf", "?")
+        tf_cases = [
+            ("compile", f"TF {version} MirroredStrategy(2)", "tf:mirrored", 2, COMPILE_SIZES, COMPILE_BATCH, True),
+            ("compile", f"TF {version} OneDeviceStrategy", "tf:one_device", 1, COMPILE_SIZES, COMPILE_BATCH, True),
         ]
     steps_of = {"overhead": steps, "compile": max(1, steps // 10)}
-    fns = {c[1]: _setup(c[2], c[3], c[4], c[5], c[6]) for c in cases}
+    warmup_of = {"overhead": warmup, "compile": 3}
+    timers: dict[str, Callable[[int, int], float]] = {
+        c[1]: functools.partial(_time, _setup(c[2], c[3], c[4], c[5], c[6])) for c in cases
+    }
+    for c in tf_cases:
+        timers[c[1]] = functools.partial(tf.seconds_per_step, c[2].split(":", 1)[1])
+    cases += tf_cases
     times: dict[str, list[float]] = {c[1]: [] for c in cases}
     for _ in range(rounds):
         for c in cases:
-            times[c[1]].append(_time(fns[c[1]], steps_of[c[0]], warmup if c[0] == "overhead" else 3))
+            times[c[1]].append(timers[c[1]](steps_of[c[0]], warmup_of[c[0]]))
     plain = {  # plain torch doing the work of N replicas
         c[3]: median(times[c[1]]) for c in cases if c[0] == "overhead" and c[2] == "torch"
     }
+    tf_mirrored = median(times[tf_cases[0][1]]) if tf_cases else None
     out = []
     for group, name, kind, replicas, _sizes, batch, _compiled in cases:
         t = median(times[name])
@@ -168,5 +212,19 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str]) -> list[d
         if group == "overhead" and kind != "torch":
             row["overhead us/replica"] = 1e6 * (t - plain[replicas]) / replicas
             row["above 1-pass torch us/replica"] = 1e6 * (t - plain[1]) / replicas
+        if group == "compile" and tf_mirrored is not None:
+            row[TF_COLUMN] = tf_mirrored / t
+        if kind == "tf:mirrored":
+            row["note"] = _tf_note(tf.info)
         out.append(row)
     return out
+
+
+def _tf_note(info: dict[str, Any]) -> str:
+    return (
+        f"TF rows: TensorFlow {info.get('tf')} in its own process (bench/tf_mirrored.py), MirroredStrategy "
+        f"over logical CPU devices {info.get('devices')} and OneDeviceStrategy, a tf.function step "
+        "(strategy.run: forward, compute_average_loss, gradient, all_reduce SUM, merge_call update; "
+        f"no Keras), intra-op threads {info.get('intra_op')}, inter-op {info.get('inter_op')}; one TF round "
+        f"after each torch round; '{TF_COLUMN}' = TF MirroredStrategy(2) step time / the row's step time"
+    )

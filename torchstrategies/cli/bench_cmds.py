@@ -33,6 +33,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "progress": ("progress",),
     "parameter_server": ("parameter_server",),
     "in_process": ("in_process",),
+    "tf_python": ("tf_python",),
+    "tf_inter_op": ("tf_inter_op",),
 }
 
 BENCH_MODULES = {
@@ -218,11 +220,27 @@ def allreduce(
     help="Add the in-process rows: strategy overhead per replica (MLP 64-64-10) and MirroredStrategy(2) "
     "eager vs torch.compile (MLP 784-1024-1024-10).",
 )
+@click.option(
+    "--tf-python",
+    "tf_python",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A Python that has TensorFlow (e.g. a venv's bin/python): adds TF MirroredStrategy(2) and "
+    "OneDeviceStrategy rows beside the compiled rows, and the column 'vs TF Mirrored(2)' from the same run. "
+    "Default: $TORCHSTRATEGIES_TF_PYTHON if set, else no TF rows.",
+)
+@click.option(
+    "--tf-inter-op",
+    "tf_inter_op",
+    type=click.IntRange(1),
+    default=None,
+    help="TF inter-op threads for the TF rows (default: one per replica; intra-op is the torch thread count).",
+)
 @_output_options
 @click.pass_context
 def train(
-    ctx: click.Context, nproc, strategies, steps, batch_size, repeats, parameter_server, in_process, progress,
-    json_path, plot_path,
+    ctx: click.Context, nproc, strategies, steps, batch_size, repeats, parameter_server, in_process, tf_python,
+    tf_inter_op, progress, json_path, plot_path,
 ) -> None:
     """Training throughput (samples/s): torch DDP vs our strategies (launches torchrun)."""
     opts = {
@@ -233,6 +251,8 @@ def train(
         "repeats": repeats,
         "parameter_server": parameter_server,
         "in_process": in_process,
+        "tf_python": tf_python,
+        "tf_inter_op": tf_inter_op,
         "progress": progress,
     }
     explicit = _explicit(ctx, list(opts)) | {"nproc"}

@@ -8,7 +8,15 @@ statistics, ``compute_average_loss`` without a batch size, GradScaler's inf chec
   thread: replicas 1..N-1 run after it, one by one, in the calling thread too (no thread hand-over at
   all). One of them that does call merge_call is a mismatch and raises RuntimeError naming the replica
   and the merge function.
-* If replica 0 calls merge_call, replicas 1..N-1 run on persistent worker threads (taken from a
+* A merge_call that ends ``fn`` (nothing of the replica runs after it: ``optimizer.step()`` as the last
+  statement, or followed by ``return <local>``; see ``_frames.ends_replica_fn``) returns at once for
+  every replica but the last to arrive, so they all run in the calling thread; the last one runs the
+  merge function (with every replica's arguments) in that thread. Seen from the replicas and the
+  result, this is the schedule below without its thread hand-overs. A replica that then finishes
+  without that merge_call makes the run raise the mismatch RuntimeError. A replica k > 0 whose
+  merge_call does not end ``fn`` waits in the calling thread while replicas k+1.. run on workers, as
+  replica 0 does below.
+* If replica 0 calls merge_call otherwise, replicas 1..N-1 run on persistent worker threads (taken from a
   process-wide pool, never started per ``run``): inside replica 0's merge_call the calling thread lets
   replica 1 run until it pauses in its merge_call, then replica 2, and so on; it then calls the merge
   function once in cross-replica context with the replicas' arguments grouped into PerReplica values,
@@ -32,12 +40,14 @@ autograd running SyncBatchNorm's backward on a device thread while the replica w
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from torchstrategies.distribute._frames import ends_replica_fn
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
 from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
@@ -101,6 +111,7 @@ class _Run:
 
     __slots__ = (
         "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
+        "deferred",
     )
 
     def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
@@ -115,6 +126,7 @@ class _Run:
         self.error: BaseException | None = None  # raised by every later merge_call and by the run
         self.over = False
         self.arrived = 0  # replicas waiting in the current merge_call
+        self.deferred = 0  # of those, replicas whose fn ended after it (their merge_call returned early)
 
     def fail(self, error: BaseException) -> BaseException:
         if self.error is None:
@@ -286,20 +298,31 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
     run = r.run
     if run.error is not None:
         raise run.error
-    if not run.threaded and r.index != 0:  # in the calling thread after replica 0 finished without one
+    if not run.threaded and r.index != 0 and not run.deferred:
+        # in the calling thread after replica 0 finished without one
         raise run.fail(
             RuntimeError(
                 f"{_MISMATCH}: replica {r.index} called merge_call({_merge_name(merge_fn)}) but replica 0 "
                 f"finished without any ({_SYNC_HINT})."
             )
         )
-    run.threaded = True
     r.merge_fn, r.merge_args, r.merge_kwargs = merge_fn, args, kwargs
     r.waiting = True
     run.arrived += 1
     if run.arrived == run.n:
         _merge_here(run, r)
         return r.merge_result
+    if (
+        not run.threaded
+        and r.worker is None
+        and getattr(_acting, "replica", None) is None
+        and ends_replica_fn(r.fn, sys._getframe(1))
+    ):
+        # Nothing of fn runs after this merge_call and its result is dropped: fn may end now, and the
+        # merge runs when the last replica arrives, in this thread, with no worker thread at all.
+        run.deferred += 1
+        return None
+    run.threaded = True
     w = r.worker
     if w is not None:  # on a worker: hand control back to the scheduling thread until the merge ran
         grad = torch.is_grad_enabled()
@@ -315,7 +338,7 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
     if slots is not None:
         slots.deactivate()
     try:
-        for i in range(1, run.n):
+        for i in range(r.index + 1, run.n):  # the replicas before r finished (their merge_calls deferred)
             ri = run.replicas[i]
             if ri.done:
                 break  # finished without this merge_call: a mismatch
@@ -330,7 +353,7 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
         raise
     finally:
         if slots is not None:
-            slots.activate(0)
+            slots.activate(r.index)
         torch.set_grad_enabled(grad)
     return r.merge_result
 
@@ -350,7 +373,7 @@ def _merge_here(run: _Run, r: _Replica) -> None:
 
 
 def _count_mismatch(run: _Run) -> str:
-    done = [r.index for r in run.replicas if r.done]
+    done = [r.index for r in run.replicas if r.done and not r.waiting]
     waiting = [r.index for r in run.replicas if r.waiting]
     merge = _merge_name(run.replicas[waiting[0]].merge_fn) if waiting else "?"
     return (
@@ -393,6 +416,7 @@ def _merge(run: _Run) -> None:
     replicas = run.replicas
     strategy = run.strategy
     run.arrived = 0
+    run.deferred = 0
     if run.slots is not None:
         run.slots.fold_buffers()
     if all(not r.merge_args and not r.merge_kwargs for r in replicas):
@@ -495,6 +519,8 @@ def call_for_each_replica(
                     raise run.fail(RuntimeError(_count_mismatch(run)))
             if run.error is not None:  # a replica caught it: still the run's error
                 raise run.error
+        if run.arrived:  # deferred merge_calls that not every replica made
+            raise run.fail(RuntimeError(_count_mismatch(run)))
     finally:
         run.over = True
         torch.set_grad_enabled(grad)

@@ -251,8 +251,12 @@ class ReplicaSlots:
         s = self.slot(p)
         if s is None or p.grad is None:
             return
-        g = p.grad
-        s.grads = [g if g.device == self.devices[0] else g.to(self.devices[0])] + [None] * (self.n - 1)
+        self.hand_down(s, p.grad)
+
+    def hand_down(self, s: ReplicaSlot, g: torch.Tensor) -> None:
+        """``hand_down_gradient`` for slot ``s`` whose parameter's summed gradient ``g`` is."""
+        d0 = self.devices[0]
+        s.grads = [g if g.device == d0 else g.to(d0)] + [None] * (self.n - 1)
 
     def components(self, t: torch.Tensor) -> list[torch.Tensor | None]:
         s = self.slot(t)

@@ -40,7 +40,7 @@ from torchstrategies.distribute.mirrored_run import (
     in_replica_thread,
     merge_call_in_replica_thread,
 )
-from torchstrategies.distribute.replicated import ReplicaSlots
+from torchstrategies.distribute.replicated import ReplicaSlot, ReplicaSlots
 from torchstrategies.distribute.values import DistributedValues, PerReplica, local_results
 from torchstrategies.ops import FLOAT_DTYPES
 from torchstrategies.reduce_op import ReduceOp
@@ -328,8 +328,9 @@ class MirroredExtended(StrategyExtended):
         # on CPU): sum with its kernel directly, without building PerReplica values and destinations.
         local_sum = ops._sum if type(ops) is ReductionToOneDevice and ops.reduce_to_device is None else None
         pairs, targets = [], []
-        fast: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        fast: list[tuple[torch.Tensor, ReplicaSlot, list[torch.Tensor]]] = []
         seen: set[int] = set()
+        strided = torch.strided
         for p in params:
             slot = slots.slot(p)
             if slot is None or id(p) in seen:
@@ -337,28 +338,30 @@ class MirroredExtended(StrategyExtended):
             seen.add(id(p))
             grads = slot.grads
             ref = None
+            dense = local_sum is not None  # every replica has a gradient, on p's device, like ref's
             for g in grads:
-                if g is not None:
+                if g is None:
+                    dense = False
+                elif ref is None:
                     ref = g
-                    break
             if ref is None:
                 continue  # nothing new from the replicas: keep the primary gradient
-            if (
-                local_sum is not None
-                and ref.dtype in FLOAT_DTYPES
-                and ref.layout == torch.strided
-                and all(
-                    g is not None and g.device == p.device and g.shape == ref.shape and g.dtype == ref.dtype
-                    for g in grads
-                )
-            ):
-                dense = [g for g in grads if g is not None]  # every one, by the check above
-                if ref.dtype in _FOREACH_EXACT and len(dense) > 1:
-                    fast.append((p, dense))  # summed below, all parameters in one foreach call per replica
-                else:
-                    p.grad = local_sum(dense, None) if len(dense) > 1 else dense[0].clone()
-                    slots.hand_down_gradient(p)
-                continue
+            if dense:
+                every = cast(list[torch.Tensor], grads)  # no None, by the loop above
+                dtype, shape, device = ref.dtype, ref.shape, p.device
+                dense = dtype in FLOAT_DTYPES and ref.layout == strided and ref.device == device
+                if dense:
+                    for g in every:
+                        if g is not ref and (g.dtype != dtype or g.shape != shape or g.device != device):
+                            dense = False
+                            break
+                if dense:
+                    if dtype in _FOREACH_EXACT and len(every) > 1:
+                        fast.append((p, slot, every))  # summed below, every parameter in one foreach call
+                    else:
+                        p.grad = cast(Any, local_sum)(list(every), None) if len(every) > 1 else ref.clone()
+                        slots.hand_down_gradient(p)
+                    continue
             full = [
                 g if g is not None else torch.zeros_like(ref, device=self._worker_devices[i])
                 for i, g in enumerate(grads)
@@ -369,12 +372,12 @@ class MirroredExtended(StrategyExtended):
         if fast:
             # Sequential ((g0 + g1) + g2) ... in the gradients' own dtype: bit for bit what the default
             # accumulation kernel (EXPERIMENTAL_ACCUMULATE_N) computes for float32/float64.
-            totals = torch._foreach_add([g[0] for _, g in fast], [g[1] for _, g in fast])
-            for k in range(2, len(fast[0][1])):
-                torch._foreach_add_(totals, [g[k] for _, g in fast])
-            for (p, _), total in zip(fast, totals, strict=True):
+            totals = torch._foreach_add([g[0] for _, _, g in fast], [g[1] for _, _, g in fast])
+            for k in range(2, len(fast[0][2])):
+                torch._foreach_add_(totals, [g[k] for _, _, g in fast])
+            for (p, slot, _), total in zip(fast, totals, strict=True):
                 p.grad = total
-                slots.hand_down_gradient(p)
+                slots.hand_down(slot, total)
         if not pairs:
             return
         summed = ops.batch_reduce(ReduceOp.SUM, pairs)
