@@ -55,11 +55,11 @@ _OP_NAMES = {v: k for k, v in _C.RING_OP_CODES.items()}
 _SETTINGS_HINT = (" (settings: TORCHSTRATEGIES_RING_SMALL_BYTES and TORCHSTRATEGIES_RING_CHUNK_BYTES must be the "
                   "same on every rank)")
 
-# Message sizes (bytes, per all-reduce; [lo, hi) ranges) where the ring beat gloo's all_reduce in our A/B
-# (tests/scripts/ab_ring_vs_gloo.py: ws=2 over loopback TCP, interleaved, medians). Measured on a loaded
-# machine, to be re-measured on a quiet one: the ring was ahead at every size tried (4 KiB to 64 MiB) in
-# most runs (16 and 64 MiB were noisy: single runs between 0.9x and 1.8x), so
-# the range is open above. AUTO picks RING between hosts, and HIERARCHICAL between host leaders, in it.
+# Message sizes (bytes, per all-reduce; [lo, hi) ranges) where the ring beat gloo's all_reduce: ws=2 over
+# loopback TCP, `torchstrategies bench allreduce` (interleaved rounds, medians) and the full table of
+# benchmarks/allreduce.py, on a quiet 2-core machine (docs/collectives.md, RING): ahead at every size measured
+# (4 KiB to 64 MiB; 14-22x at 4 KiB, 1.45-1.67x at 64 MiB), so the range is open above. AUTO picks RING
+# between hosts, and HIERARCHICAL between host leaders, in it.
 MEASURED_FASTER: tuple[tuple[int, int], ...] = ((0, 1 << 40),)
 
 _comms: weakref.WeakKeyDictionary[Any, RingCommunicator] = weakref.WeakKeyDictionary()
