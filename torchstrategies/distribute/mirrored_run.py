@@ -49,6 +49,7 @@ import torch
 
 from torchstrategies.distribute._frames import ends_replica_fn
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
+from torchstrategies.distribute.distribute_lib import ReplicaContext
 from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
 
@@ -60,6 +61,9 @@ __all__ = [
     "in_replica_thread",
     "TorchState",
 ]
+
+# torch.set_grad_enabled(mode) as a plain call (the context manager's constructor reads the mode first)
+_set_grad_enabled = torch._C._set_grad_enabled
 
 _MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls"
 _SYNC_HINT = (
@@ -111,7 +115,7 @@ class _Run:
 
     __slots__ = (
         "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
-        "deferred",
+        "deferred", "is_default",
     )
 
     def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
@@ -119,6 +123,7 @@ class _Run:
         self.n = n
         self.slots = slots
         self.ts = ts
+        self.is_default = strategy.extended._is_default
         self.replicas: list[_Replica] = []
         self.workers: list[_Worker | None] = [None] * n
         self.idle = [True] * n  # whether worker i is waiting (not inside its replica's code)
@@ -161,10 +166,13 @@ class _Replica:
 
     def call(self) -> None:
         """Runs ``fn`` in this replica's context in the current thread (whose torch state is set)."""
-        from torchstrategies.distribute.distribute_lib import ReplicaContext
-
-        with ReplicaContext(self.run.strategy, self.replica_id, self.index):
+        strategy = self.run.strategy
+        mode = _Mode(strategy, ReplicaContext(strategy, self.replica_id, self.index), None, self.run.is_default)
+        push_mode(mode)
+        try:
             self.result = self.fn(*self.args, **self.kwargs)
+        finally:
+            pop_mode(mode)
         self.done = True
 
     def execute(self) -> None:
@@ -175,7 +183,7 @@ class _Replica:
                 return
             ts = self.run.ts
             if ts.simple:  # only grad mode to carry: no ExitStack
-                torch.set_grad_enabled(ts.grad)
+                _set_grad_enabled(ts.grad)
                 if ts.num_threads > 0 and torch.get_num_threads() != ts.num_threads:
                     torch.set_num_threads(ts.num_threads)
                 self.call()
@@ -328,7 +336,7 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
         grad = torch.is_grad_enabled()
         w.back.release()
         w.go.acquire()
-        torch.set_grad_enabled(grad)
+        _set_grad_enabled(grad)
         if r.stop:
             raise _RequestedStop()
         return r.merge_result
@@ -354,7 +362,7 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
     finally:
         if slots is not None:
             slots.activate(r.index)
-        torch.set_grad_enabled(grad)
+        _set_grad_enabled(grad)
     return r.merge_result
 
 
@@ -419,16 +427,18 @@ def _merge(run: _Run) -> None:
     run.deferred = 0
     if run.slots is not None:
         run.slots.fold_buffers()
-    if all(not r.merge_args and not r.merge_kwargs for r in replicas):
-        merge_args, merge_kwargs = (), {}  # e.g. optimizer.step(): nothing to regroup
-    else:
-        merge_args = regroup([r.merge_args for r in replicas])
-        merge_kwargs = regroup([r.merge_kwargs for r in replicas])
-    mode = _Mode(strategy, None, strategy, is_default=False)
+    merge_args: Any = ()
+    merge_kwargs: Any = {}
+    for r in replicas:
+        if r.merge_args or r.merge_kwargs:  # (optimizer.step() has nothing to regroup)
+            merge_args = regroup([q.merge_args for q in replicas])
+            merge_kwargs = regroup([q.merge_kwargs for q in replicas])
+            break
+    mode = _Mode(strategy, None, strategy, False)
     local, acting = getattr(_local, "replica", None), getattr(_acting, "replica", None)
     _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
     grad = torch.is_grad_enabled()
-    torch.set_grad_enabled(run.ts.grad)  # the caller's grad mode, as if the merge ran in its thread
+    _set_grad_enabled(run.ts.grad)  # the caller's grad mode, as if the merge ran in its thread
     push_mode(mode)
     try:
         merge_fn = replicas[0].merge_fn
@@ -436,28 +446,13 @@ def _merge(run: _Run) -> None:
         result = merge_fn(strategy, *merge_args, **merge_kwargs)
     finally:
         pop_mode(mode)
-        torch.set_grad_enabled(grad)
+        _set_grad_enabled(grad)
         _local.replica, _acting.replica = local, acting
     single = run.n == 1 or result is None or type(result) in _SHARED_RESULTS
     for i, r in enumerate(replicas):
         r.merge_result = result if single else select_replica(i, result)
         r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
         r.waiting = False
-
-
-def _run_inline(run: _Run, r: _Replica) -> None:
-    """Runs replica ``r`` in the calling thread (its slots view swapped in around it)."""
-    slots = run.slots
-    previous = getattr(_local, "replica", None)
-    _local.replica = r
-    if slots is not None:
-        slots.activate(r.index)
-    try:
-        r.call()
-    finally:
-        if slots is not None:
-            slots.deactivate()
-        _local.replica = previous
 
 
 def call_for_each_replica(
@@ -500,18 +495,26 @@ def call_for_each_replica(
     if timeout is not None:
         return _run_on_workers(run, timeout)
     grad = run.ts.grad
+    previous = getattr(_local, "replica", None)
     try:
         for i in range(n):
             r = run.replicas[i]
-            if i == 0 or not run.threaded:
+            if i == 0 or not run.threaded:  # in this thread, its slots view swapped in around it
                 if i:
-                    torch.set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
+                    _set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
+                _local.replica = r
+                if slots is not None:
+                    slots.activate(i)
                 try:
-                    _run_inline(run, r)
+                    r.call()
                 except BaseException:
                     if run.error is not None:
                         raise run.error from None
                     raise
+                finally:
+                    if slots is not None:
+                        slots.deactivate()
+                    _local.replica = previous
             elif not r.done:
                 if r.waiting:  # it went on to a merge_call that replica 0 never made
                     raise run.fail(RuntimeError(_count_mismatch(run)))
@@ -523,7 +526,7 @@ def call_for_each_replica(
             raise run.fail(RuntimeError(_count_mismatch(run)))
     finally:
         run.over = True
-        torch.set_grad_enabled(grad)
+        _set_grad_enabled(grad)
         if run.threaded:
             _finish(run)
         if slots is not None:

@@ -82,6 +82,7 @@ class ReplicaSlots:
         self._active_index: int | None = None
         self._buffers_dirty = False
         self._key: tuple[list[int], list[int]] | None = None  # what ``refresh`` last saw
+        self.generation = 0  # bumped whenever the replicated set changes (plans built on it are stale)
 
     # -- membership -------------------------------------------------------------------------------
     def slot(self, t: torch.Tensor) -> ReplicaSlot | None:
@@ -115,6 +116,7 @@ class ReplicaSlots:
                 new[id(t)] = s
         self._slots = new
         self._active = [s for s in new.values() if self._needs_swap(s)]
+        self.generation += 1
 
     def _needs_swap(self, s: ReplicaSlot) -> bool:
         t = s.ref()

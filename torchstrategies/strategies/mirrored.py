@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from torchstrategies._ext import _C
 from torchstrategies.distribute import context
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
@@ -80,6 +81,8 @@ def _parse_devices(devices: Sequence[Any]) -> tuple[tuple[str, ...], tuple[torch
 
 
 _guard_installed = False
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 def _install_outside_scope_guard() -> None:
@@ -137,7 +140,13 @@ class MirroredExtended(StrategyExtended):
         self.merge_call_timeout: float | None = None
         self._roots: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        # What _refresh_slots saw last (it holds those tensors until a module or optimizer dies or they change)
+        self._watch = _C.TensorWatch()
+        watch = self._watch
+        self._forget_watched = lambda _ref: watch.clear()  # a module or optimizer died (no cycle via self)
         self._slots = ReplicaSlots(self._worker_devices, self._cross_device_ops)
+        # aggregate_gradients' plans: id(params list) -> (slots generation, the list's tensor ids, plan)
+        self._plans: dict[int, tuple[int, list[int], list[tuple[int, ReplicaSlot, Any]]]] = {}
         _install_outside_scope_guard()
         install_step_once_support()
 
@@ -160,15 +169,30 @@ class MirroredExtended(StrategyExtended):
 
     def _refresh_slots(self) -> None:
         """Finds the replicated tensors: parameters and buffers of the modules made (or deep-copied) in
-        scope, and the parameters of the optimizers made in scope, whatever torch did to them since."""
-        params: list[torch.Tensor | None] = []
-        buffers: list[torch.Tensor | None] = []
-        roots = []
+        scope, and the parameters of the optimizers made in scope, whatever torch did to them since.
+
+        ``_C.TensorWatch`` first compares, in C, the tensors the modules and optimizers hold now with those
+        of the previous run (every run, object identities); the walk below runs only when they differ.
+        """
+        roots: list[torch.nn.Module] = []
+        if any(r() is None for r in self._roots):
+            self._roots = [r for r in self._roots if r() is not None]
         for r in self._roots:
             root = r()
-            if root is None:
-                continue
-            roots.append(r)
+            if root is not None:
+                roots.append(root)
+        if any(o() is None for o in self._optimizers):
+            self._optimizers = [o for o in self._optimizers if o() is not None]
+        lists = []
+        for o in self._optimizers:
+            opt = o()
+            if opt is not None:
+                lists.extend(group["params"] for group in opt.param_groups)
+        if self._slots.n > 1 and not self._watch.changed(roots, lists):
+            return  # the very tensors of the previous run (one replica: devices decide what swaps, below)
+        params: list[torch.Tensor | None] = []
+        buffers: list[torch.Tensor | None] = []
+        for root in roots:
             stack = [root]
             seen: set[int] = set()
             while stack:  # root.modules() in pre-order, without its generators and name prefixes
@@ -182,16 +206,8 @@ class MirroredExtended(StrategyExtended):
                     buffers.extend(m._buffers.values())
                 if m._modules:
                     stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-        self._roots = roots
-        opts = []
-        for o in self._optimizers:
-            opt = o()
-            if opt is None:
-                continue
-            opts.append(o)
-            for group in opt.param_groups:
-                params.extend(group["params"])
-        self._optimizers = opts
+        for group_params in lists:
+            params.extend(group_params)
         self._slots.refresh(params, buffers)
 
     def _merge_call(self, replica_context: ReplicaContext, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -250,7 +266,7 @@ class MirroredExtended(StrategyExtended):
         return buffer.detach().to(self._variable_device)
 
     def _on_module_created(self, module: torch.nn.Module) -> None:
-        self._roots.append(weakref.ref(module))
+        self._roots.append(weakref.ref(module, self._forget_watched))
 
     def _create_variable(
         self,
@@ -266,9 +282,25 @@ class MirroredExtended(StrategyExtended):
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         ext_ref = weakref.ref(self)
-        self._optimizers.append(weakref.ref(optimizer))
+        self._optimizers.append(weakref.ref(optimizer, self._forget_watched))
 
         def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            if (
+                set_to_none is True
+                and type(opt).zero_grad is _TORCH_ZERO_GRAD
+                and in_replica_thread()
+                and hasattr(opt, "_zero_grad_profile_name")
+                and not _profiler_enabled()
+                and not torch.compiler.is_compiling()
+            ):
+                # A replica's zero_grad (once per replica per step): what torch's does with set_to_none,
+                # without its record_function and dynamo wrappers (kept whenever a profiler records, or
+                # dynamo traces).
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad = None
+                return
             type(opt).zero_grad(opt, set_to_none)
             ext = ext_ref()
             if ext is not None and not in_replica_thread():
@@ -297,8 +329,19 @@ class MirroredExtended(StrategyExtended):
                         "call "
                         "backward() in the step function, then optimizer.step()"
                     )
-                return rc.merge_call(lambda strategy: ext._apply_optimizer_step(opt, None))
+                if in_replica_thread():  # the scheduler's own merge_call (what rc.merge_call reaches)
+                    return merge_call_in_replica_thread(optimizer_step, (), {})
+                return rc.merge_call(optimizer_step)
             return ext._apply_optimizer_step(opt, closure)
+
+        opt_ref = weakref.ref(optimizer)
+
+        def optimizer_step(strategy: Any) -> Any:  # the merge function: one update from the replicas' sum
+            ext, opt = ext_ref(), opt_ref()
+            assert ext is not None and opt is not None  # both alive: a replica is inside opt.step()
+            return ext._apply_optimizer_step(opt, None)
+
+        optimizer_step.__qualname__ = f"{type(optimizer).__name__}.step"
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
@@ -320,47 +363,93 @@ class MirroredExtended(StrategyExtended):
             self.aggregate_gradients(params)
         return type(optimizer).step(optimizer, closure)
 
-    def aggregate_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Sets each replicated parameter's ``.grad`` to the SUM of its replicas' gradients."""
+    def _gradient_plan(self, params: Sequence[torch.Tensor]) -> list[tuple[int, ReplicaSlot, Any]]:
+        """``(index in params, slot, device)`` for each replicated parameter of ``params`` (first occurrence);
+        ``device`` is the parameter's device when every replica computes there (else None). Cached per
+        ``params`` list while it holds the same tensors and the replicated set is unchanged."""
         slots = self._slots
-        ops = self._cross_device_ops
-        # The default reduction with every gradient where its parameter lives (replicas on one device, as
-        # on CPU): sum with its kernel directly, without building PerReplica values and destinations.
-        local_sum = ops._sum if type(ops) is ReductionToOneDevice and ops.reduce_to_device is None else None
-        pairs, targets = [], []
-        fast: list[tuple[torch.Tensor, ReplicaSlot, list[torch.Tensor]]] = []
+        ids = [id(p) for p in params]
+        cached = self._plans.get(id(params))
+        if cached is not None and cached[0] == slots.generation and cached[1] == ids:
+            return cached[2]
+        plan: list[tuple[int, ReplicaSlot, Any]] = []
         seen: set[int] = set()
-        strided = torch.strided
-        for p in params:
+        workers = self._worker_devices
+        for i, p in enumerate(params):
             slot = slots.slot(p)
             if slot is None or id(p) in seen:
                 continue
             seen.add(id(p))
+            device = p.device
+            plan.append((i, slot, device if len(workers) > 1 and all(d == device for d in workers) else None))
+        if len(self._plans) >= 16:
+            self._plans.clear()
+        self._plans[id(params)] = (slots.generation, ids, plan)
+        return plan
+
+    def aggregate_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Sets each replicated parameter's ``.grad`` to the SUM of its replicas' gradients."""
+        ops = self._cross_device_ops
+        # The default reduction with every replica on the parameter's device (replicas on one device, as on
+        # CPU): float32/float64 gradients are summed in one foreach call per replica, without building
+        # PerReplica values and destinations.
+        local = type(ops) is ReductionToOneDevice and ops.reduce_to_device is None
+        strided = torch.strided
+        n = self._num_local_replicas
+        fast: list[tuple[torch.Tensor, ReplicaSlot]] = []
+        columns: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        rest: list[tuple[torch.Tensor, ReplicaSlot]] = []
+        for i, slot, device in self._gradient_plan(params):
+            p = params[i]
             grads = slot.grads
-            ref = None
-            dense = local_sum is not None  # every replica has a gradient, on p's device, like ref's
-            for g in grads:
-                if g is None:
-                    dense = False
-                elif ref is None:
-                    ref = g
+            if local and device is not None and p.device == device:
+                dtype = p.dtype
+                if dtype in _FOREACH_EXACT:
+                    for g in grads:
+                        # (a gradient's shape and device follow the parameter's: torch checks them when it
+                        # is set, and every replica computed on p's device)
+                        if g is None or g.dtype is not dtype or g.layout is not strided:
+                            break
+                    else:
+                        fast.append((p, slot))
+                        for k in range(n):
+                            columns[k].append(grads[k])
+                        continue
+            rest.append((p, slot))
+        if fast:
+            # Sequential ((g0 + g1) + g2) ... in the gradients' own dtype: bit for bit what the default
+            # accumulation kernel (EXPERIMENTAL_ACCUMULATE_N) computes for float32/float64.
+            totals = torch._foreach_add(columns[0], columns[1])
+            for k in range(2, n):
+                torch._foreach_add_(totals, columns[k])
+            nones = [None] * (n - 1)
+            for (p, slot), total in zip(fast, totals, strict=True):
+                p.grad = total
+                slot.grads = [total, *nones]  # hand_down: every replica is on p's device
+        if rest:
+            self._aggregate_general(rest, local)
+
+    def _aggregate_general(self, params: list[tuple[torch.Tensor, ReplicaSlot]], local: bool) -> None:
+        """``aggregate_gradients`` for gradients that are missing on some replica, on other devices, of other
+        dtypes or sparse: through ``cross_device_ops``, or its summing kernel where that needs no move."""
+        slots = self._slots
+        ops = self._cross_device_ops
+        pairs, targets = [], []
+        for p, slot in params:
+            grads = slot.grads
+            ref = next((g for g in grads if g is not None), None)
             if ref is None:
                 continue  # nothing new from the replicas: keep the primary gradient
-            if dense:
-                every = cast(list[torch.Tensor], grads)  # no None, by the loop above
+            if local and all(g is not None for g in grads):
                 dtype, shape, device = ref.dtype, ref.shape, p.device
-                dense = dtype in FLOAT_DTYPES and ref.layout == strided and ref.device == device
-                if dense:
-                    for g in every:
-                        if g is not ref and (g.dtype != dtype or g.shape != shape or g.device != device):
-                            dense = False
-                            break
-                if dense:
-                    if dtype in _FOREACH_EXACT and len(every) > 1:
-                        fast.append((p, slot, every))  # summed below, every parameter in one foreach call
-                    else:
-                        p.grad = cast(Any, local_sum)(list(every), None) if len(every) > 1 else ref.clone()
-                        slots.hand_down_gradient(p)
+                if (
+                    dtype in FLOAT_DTYPES
+                    and ref.layout == torch.strided
+                    and all(g.dtype == dtype and g.shape == shape and g.device == device for g in grads)
+                ):
+                    every = cast(list[torch.Tensor], grads)
+                    p.grad = ops._sum(list(every), None) if len(every) > 1 else ref.clone()
+                    slots.hand_down(slot, p.grad)
                     continue
             full = [
                 g if g is not None else torch.zeros_like(ref, device=self._worker_devices[i])
@@ -369,15 +458,6 @@ class MirroredExtended(StrategyExtended):
             pairs.append((PerReplica(tuple(full)), (p.device,)))
             targets.append(p)
             slots.clear_replica_gradients(p)
-        if fast:
-            # Sequential ((g0 + g1) + g2) ... in the gradients' own dtype: bit for bit what the default
-            # accumulation kernel (EXPERIMENTAL_ACCUMULATE_N) computes for float32/float64.
-            totals = torch._foreach_add([g[0] for _, _, g in fast], [g[1] for _, _, g in fast])
-            for k in range(2, len(fast[0][2])):
-                torch._foreach_add_(totals, [g[k] for _, _, g in fast])
-            for (p, slot, _), total in zip(fast, totals, strict=True):
-                p.grad = total
-                slots.hand_down(slot, total)
         if not pairs:
             return
         summed = ops.batch_reduce(ReduceOp.SUM, pairs)
