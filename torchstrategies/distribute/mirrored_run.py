@@ -64,6 +64,7 @@ __all__ = [
 
 # torch.set_grad_enabled(mode) as a plain call (the context manager's constructor reads the mode first)
 _set_grad_enabled = torch._C._set_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 
 _MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls"
 _SYNC_HINT = (
@@ -88,9 +89,11 @@ class TorchState:
     def __init__(self) -> None:
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        self.autocast = tuple(
-            (dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)
-        )
+        self.autocast: tuple[tuple[str, torch.dtype], ...] = ()
+        if _any_autocast():
+            self.autocast = tuple(
+                (dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)
+            )
         self.cache = torch.is_autocast_cache_enabled()
         self.num_threads = torch.get_num_threads()
         self.simple = not self.inference and not self.autocast
@@ -317,15 +320,12 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
     r.merge_fn, r.merge_args, r.merge_kwargs = merge_fn, args, kwargs
     r.waiting = True
     run.arrived += 1
+    inline = r.worker is None and getattr(_acting, "replica", None) is None  # fn's own frames are above
     if run.arrived == run.n:
-        _merge_here(run, r)
+        # The replica view comes back after the merge unless nothing of fn runs after it.
+        _merge_here(run, r, not (inline and ends_replica_fn(r.fn, sys._getframe(1))))
         return r.merge_result
-    if (
-        not run.threaded
-        and r.worker is None
-        and getattr(_acting, "replica", None) is None
-        and ends_replica_fn(r.fn, sys._getframe(1))
-    ):
+    if not run.threaded and inline and ends_replica_fn(r.fn, sys._getframe(1)):
         # Nothing of fn runs after this merge_call and its result is dropped: fn may end now, and the
         # merge runs when the last replica arrives, in this thread, with no worker thread at all.
         run.deferred += 1
@@ -366,8 +366,9 @@ def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwar
     return r.merge_result
 
 
-def _merge_here(run: _Run, r: _Replica) -> None:
-    """The last replica to arrive runs the merge in its own thread (its replica view swapped out)."""
+def _merge_here(run: _Run, r: _Replica, reactivate: bool) -> None:
+    """The last replica to arrive runs the merge in its own thread (its replica view swapped out, and in
+    again afterwards when ``reactivate``)."""
     slots = run.slots
     if slots is not None:
         slots.deactivate()
@@ -376,7 +377,7 @@ def _merge_here(run: _Run, r: _Replica) -> None:
     except BaseException as e:
         raise run.fail(e) from None
     finally:
-        if slots is not None:
+        if slots is not None and reactivate:
             slots.activate(r.index)
 
 
@@ -503,18 +504,23 @@ def call_for_each_replica(
                 if i:
                     _set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
                 _local.replica = r
-                if slots is not None:
+                if slots is not None and slots.active_index != i:  # (handed over by replica i-1)
                     slots.activate(i)
                 try:
                     r.call()
                 except BaseException:
-                    if run.error is not None:
-                        raise run.error from None
-                    raise
-                finally:
                     if slots is not None:
                         slots.deactivate()
                     _local.replica = previous
+                    if run.error is not None:
+                        raise run.error from None
+                    raise
+                if slots is not None:
+                    if i + 1 < n and not run.threaded:
+                        slots.hand_over(i + 1)  # replica i's view out, replica i+1's in, in one pass
+                    else:
+                        slots.deactivate()
+                _local.replica = previous
             elif not r.done:
                 if r.waiting:  # it went on to a merge_call that replica 0 never made
                     raise run.fail(RuntimeError(_count_mismatch(run)))
@@ -530,6 +536,7 @@ def call_for_each_replica(
         if run.threaded:
             _finish(run)
         if slots is not None:
+            slots.deactivate()  # (replica i+1's view, handed over before an error stopped the run)
             slots.fold_buffers()
     return regroup([r.result for r in run.replicas])
 

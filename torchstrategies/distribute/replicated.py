@@ -80,6 +80,7 @@ class ReplicaSlots:
         self._slots: dict[int, ReplicaSlot] = {}
         self._active: list[ReplicaSlot] = []
         self._active_index: int | None = None
+        self._grads_only = False  # the active replica's view differs from the primaries in gradients only
         self._buffers_dirty = False
         self._key: tuple[list[int], list[int]] | None = None  # what ``refresh`` last saw
         self.generation = 0  # bumped whenever the replicated set changes (plans built on it are stale)
@@ -134,6 +135,7 @@ class ReplicaSlots:
         """Gives every replicated tensor replica ``i``'s gradient and storage."""
         assert self._active_index is None, "a replica is already active"
         device = self.devices[i]
+        grads_only = True
         for s in self._active:
             t = s.ref()
             if t is None:
@@ -143,8 +145,10 @@ class ReplicaSlots:
                 if t.device != device:
                     s.home_data = t.data
                     t.data = self._replica_copy(s, t, i, device)
+                    grads_only = False
                 t.grad = s.grads[i]
             else:
+                grads_only = False
                 key = _key(t)
                 if key != s.home_key:  # written in cross-replica context: every copy re-seeds
                     s.epoch += 1
@@ -156,6 +160,27 @@ class ReplicaSlots:
                     s.home_data = t.data
                     t.data = self._buffer_copy(s, t, i, device)
                 self._buffers_dirty = True
+        self._active_index = i
+        self._grads_only = grads_only
+
+    @property
+    def active_index(self) -> int | None:
+        """The replica whose view is swapped in, or None (cross-replica view)."""
+        return self._active_index
+
+    def hand_over(self, i: int) -> None:
+        """``deactivate()`` then ``activate(i)``; in one pass when both replicas' views differ from the
+        primaries in gradients only (parameters where they live, no buffers), as for CPU replicas."""
+        j = self._active_index
+        if j is None or not self._grads_only or self.devices[i] != self.devices[j]:
+            self.deactivate()
+            self.activate(i)
+            return
+        for s in self._active:
+            t = s.ref()
+            if t is not None:
+                s.grads[j] = t.grad
+                t.grad = s.grads[i]
         self._active_index = i
 
     def deactivate(self) -> None:

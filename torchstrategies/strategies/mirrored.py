@@ -317,12 +317,7 @@ class MirroredExtended(StrategyExtended):
                 return type(opt).step(opt, closure)
             mode = context.current_mode()
             rc = mode.replica_context
-            if (
-                rc is not None
-                and mode.cross_replica is None
-                and not mode.is_default
-                and rc.strategy.extended is ext
-            ):
+            if rc is not None and mode.cross_replica is None and rc._strategy._extended is ext:
                 if closure is not None:
                     raise ValueError(
                         "optimizer.step(closure) is not supported inside strategy.run: compute the loss and "
