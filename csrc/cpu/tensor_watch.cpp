@@ -9,9 +9,10 @@
 //
 // The walk is the one of MirroredExtended._refresh_slots: for each root, modules in pre-order (children
 // pushed reversed on a stack, each module once per root), its _parameters then its _buffers values, read
-// from the instance __dict__ (no descriptor, no Python code runs); then every parameter list given. A
-// module whose __dict__ lacks those dicts, or holds something else there, counts as a change (the Python
-// walk decides). The watch holds references to the tensors it saw (so an address cannot be reused by
+// from the instance __dict__ (no descriptor, no Python code runs); then each optimizer's param_groups'
+// "params" lists. Roots and optimizers come as weak references; a dead one, or a module or optimizer
+// whose __dict__ lacks those entries or holds something else there, counts as a change (the Python walk
+// decides). The watch holds references to the tensors it saw (so an address cannot be reused by
 // another tensor while it compares), never to modules; clear() drops them.
 #include <pybind11/pybind11.h>
 
@@ -31,18 +32,24 @@ class TensorWatch {
   TensorWatch& operator=(const TensorWatch&) = delete;
   ~TensorWatch() { release(seen_); }
 
-  // True when the tensors reachable from `roots` (modules) and in `lists` (lists of tensors) differ from
-  // the previous call's (or on the first call, or after clear()); the new sequence is kept.
-  bool changed(const py::list& roots, const py::list& lists) {
+  // True when the tensors reachable from the modules behind the weak references `root_refs`, then the
+  // parameters of the optimizers behind `optimizer_refs` (their param_groups' "params" lists), differ from
+  // the previous call's (or on the first call, after clear(), or when a referent died); the new sequence
+  // is kept.
+  bool changed(const py::list& root_refs, const py::list& optimizer_refs) {
     Walk w{seen_};
     static PyObject* k_params = PyUnicode_InternFromString("_parameters");
     static PyObject* k_buffers = PyUnicode_InternFromString("_buffers");
     static PyObject* k_modules = PyUnicode_InternFromString("_modules");
+    static PyObject* k_groups = PyUnicode_InternFromString("param_groups");
+    static PyObject* k_group_params = PyUnicode_InternFromString("params");
     std::vector<PyObject*> stack;
     std::unordered_set<PyObject*> visited;
-    for (py::handle root : roots) {
+    for (py::handle ref : root_refs) {
+      PyObject* root = referent(ref.ptr());
+      if (root == nullptr) return w.fail(seen_);
       visited.clear();
-      stack.assign(1, root.ptr());
+      stack.assign(1, root);
       while (!stack.empty()) {
         PyObject* m = stack.back();
         stack.pop_back();
@@ -79,11 +86,29 @@ class TensorWatch {
         }
       }
     }
-    for (py::handle list : lists) {
-      if (!PyList_CheckExact(list.ptr())) return w.fail(seen_);
-      Py_ssize_t n = PyList_GET_SIZE(list.ptr());
-      for (Py_ssize_t i = 0; i < n; ++i) w.add(PyList_GET_ITEM(list.ptr(), i));
-      w.mark();
+    for (py::handle ref : optimizer_refs) {
+      PyObject* opt = referent(ref.ptr());
+      if (opt == nullptr) return w.fail(seen_);
+      PyObject* dict = PyObject_GenericGetDict(opt, nullptr);  // new reference
+      if (dict == nullptr) {
+        PyErr_Clear();
+        return w.fail(seen_);
+      }
+      PyObject* groups = PyDict_GetItemWithError(dict, k_groups);  // borrowed
+      bool ok = groups && PyList_CheckExact(groups);
+      for (Py_ssize_t g = 0; ok && g < PyList_GET_SIZE(groups); ++g) {
+        PyObject* group = PyList_GET_ITEM(groups, g);
+        PyObject* list = PyDict_CheckExact(group) ? PyDict_GetItemWithError(group, k_group_params) : nullptr;
+        ok = list && PyList_CheckExact(list);
+        if (!ok) break;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) w.add(PyList_GET_ITEM(list, i));
+        w.mark();
+      }
+      Py_DECREF(dict);
+      if (!ok) {
+        PyErr_Clear();
+        return w.fail(seen_);
+      }
     }
     return w.finish(seen_);
   }
@@ -139,6 +164,23 @@ class TensorWatch {
     }
   };
 
+  // The live object behind weak reference `ref` (borrowed), or nullptr when it died or `ref` is not one.
+  static PyObject* referent(PyObject* ref) {
+    if (!PyWeakref_Check(ref)) return nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* obj = nullptr;
+    if (PyWeakref_GetRef(ref, &obj) != 1) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_DECREF(obj);  // still alive: the caller's weak reference list's owner keeps it (as borrowed below)
+    return obj;
+#else
+    PyObject* obj = PyWeakref_GetObject(ref);  // borrowed; Py_None once dead
+    return obj == Py_None ? nullptr : obj;
+#endif
+  }
+
   static void release(std::vector<PyObject*>& objs) {
     for (PyObject* o : objs) Py_XDECREF(o);  // may run finalizers: the vector is already detached
     objs.clear();
@@ -154,9 +196,11 @@ void init_watch_bindings(py::module_& m) {
                           "Whether the tensors of some modules and parameter lists changed since the last "
                           "call (see csrc/cpu/tensor_watch.cpp).")
       .def(py::init<>())
-      .def("changed", &TensorWatch::changed, py::arg("roots"), py::arg("lists"),
-           "True when the parameters/buffers reachable from the modules `roots`, then the tensors of the "
-           "lists `lists`, are not the very objects of the previous call (always True on the first call).")
+      .def("changed", &TensorWatch::changed, py::arg("root_refs"), py::arg("optimizer_refs"),
+           "True when the parameters/buffers reachable from the modules behind the weak references "
+           "`root_refs`, then the parameters of the optimizers behind `optimizer_refs`, are not the very "
+           "objects of the previous call (always True on the first call, after clear() and once a "
+           "referent died).")
       .def("clear", &TensorWatch::clear, "Forgets (and releases) the tensors seen.")
       .def("__len__", &TensorWatch::size);
 }

@@ -174,25 +174,16 @@ class MirroredExtended(StrategyExtended):
         ``_C.TensorWatch`` first compares, in C, the tensors the modules and optimizers hold now with those
         of the previous run (every run, object identities); the walk below runs only when they differ.
         """
-        roots: list[torch.nn.Module] = []
-        if any(r() is None for r in self._roots):
-            self._roots = [r for r in self._roots if r() is not None]
-        for r in self._roots:
-            root = r()
-            if root is not None:
-                roots.append(root)
-        if any(o() is None for o in self._optimizers):
-            self._optimizers = [o for o in self._optimizers if o() is not None]
-        lists = []
-        for o in self._optimizers:
-            opt = o()
-            if opt is not None:
-                lists.extend(group["params"] for group in opt.param_groups)
-        if self._slots.n > 1 and not self._watch.changed(roots, lists):
+        if self._slots.n > 1 and not self._watch.changed(self._roots, self._optimizers):
             return  # the very tensors of the previous run (one replica: devices decide what swaps, below)
+        self._roots = [r for r in self._roots if r() is not None]
+        self._optimizers = [o for o in self._optimizers if o() is not None]
         params: list[torch.Tensor | None] = []
         buffers: list[torch.Tensor | None] = []
-        for root in roots:
+        for r in self._roots:
+            root = r()
+            if root is None:
+                continue
             stack = [root]
             seen: set[int] = set()
             while stack:  # root.modules() in pre-order, without its generators and name prefixes
@@ -206,8 +197,11 @@ class MirroredExtended(StrategyExtended):
                     buffers.extend(m._buffers.values())
                 if m._modules:
                     stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-        for group_params in lists:
-            params.extend(group_params)
+        for o in self._optimizers:
+            opt = o()
+            if opt is not None:
+                for group in opt.param_groups:
+                    params.extend(group["params"])
         self._slots.refresh(params, buffers)
 
     def _merge_call(self, replica_context: ReplicaContext, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
