@@ -109,6 +109,25 @@ class TorchState:
             stack.enter_context(torch.autocast(dt, dtype=dtype, cache_enabled=self.cache))
 
 
+def _replica_modes(strategy: Any, n: int) -> list[_Mode]:
+    """The replica-context modes of ``strategy``'s ``n`` local replicas, kept on its extended: a
+    ReplicaContext holds nothing of one run, so the same one serves every run (as the same replica)."""
+    ext = strategy._extended
+    offset = ext._replica_id_offset
+    modes: list[_Mode] | None = getattr(ext, "_replica_modes", None)
+    if (
+        modes is None
+        or len(modes) != n
+        or modes[0].strategy is not strategy
+        or modes[0].replica_context._replica_id_in_sync_group != offset  # type: ignore[union-attr]
+    ):
+        modes = [
+            _Mode(strategy, ReplicaContext(strategy, offset + i, i), None, ext._is_default) for i in range(n)
+        ]
+        ext._replica_modes = modes
+    return modes
+
+
 def _merge_name(merge_fn: Any) -> str:
     return getattr(merge_fn, "__qualname__", None) or repr(merge_fn)
 
@@ -118,7 +137,7 @@ class _Run:
 
     __slots__ = (
         "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
-        "deferred", "is_default",
+        "deferred", "modes",
     )
 
     def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
@@ -126,7 +145,7 @@ class _Run:
         self.n = n
         self.slots = slots
         self.ts = ts
-        self.is_default = strategy.extended._is_default
+        self.modes = _replica_modes(strategy, n)  # replica i's context (made once per strategy)
         self.replicas: list[_Replica] = []
         self.workers: list[_Worker | None] = [None] * n
         self.idle = [True] * n  # whether worker i is waiting (not inside its replica's code)
@@ -145,32 +164,26 @@ class _Run:
 class _Replica:
     """One replica's part of one ``run``: its function, its merge_call hand-over, its outcome."""
 
-    __slots__ = (
-        "run", "index", "replica_id", "fn", "args", "kwargs", "worker", "result", "done", "exc", "stop",
-        "merge_fn", "merge_args", "merge_kwargs", "merge_result", "waiting",
-    )
+    # What a replica starts with: class attributes, until the run sets its own (one store less each per run).
+    worker: _Worker | None = None
+    result: Any = None
+    done = False
+    exc: BaseException | None = None
+    stop = False
+    merge_fn: Callable[..., Any] | None = None
+    merge_args: tuple = ()
+    merge_kwargs: dict = {}  # (only ever replaced, never mutated)  # noqa: RUF012
+    merge_result: Any = None
+    waiting = False  # arrived at a merge_call that has not run yet
 
-    def __init__(self, run: _Run, index: int, replica_id: int, fn: Callable[..., Any], args: tuple,
-                 kwargs: dict):
+    def __init__(self, run: _Run, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict):
         self.run = run
         self.index = index
-        self.replica_id = replica_id
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.worker: _Worker | None = None
-        self.result: Any = None
-        self.done = False
-        self.exc: BaseException | None = None
-        self.stop = False
-        self.merge_fn: Callable[..., Any] | None = None
-        self.merge_args: tuple = ()
-        self.merge_kwargs: dict = {}
-        self.merge_result: Any = None
-        self.waiting = False  # arrived at a merge_call that has not run yet
 
     def call(self) -> None:
         """Runs ``fn`` in this replica's context in the current thread (whose torch state is set)."""
-        strategy = self.run.strategy
-        mode = _Mode(strategy, ReplicaContext(strategy, self.replica_id, self.index), None, self.run.is_default)
+        mode = self.run.modes[self.index]
         push_mode(mode)
         try:
             self.result = self.fn(*self.args, **self.kwargs)
@@ -476,9 +489,7 @@ def call_for_each_replica(
         DeadlineExceededError: a replica neither finished nor paused within ``timeout`` seconds.
         Any exception a replica or a merge function raised.
     """
-    ext = strategy.extended
-    n = ext._num_local_replicas
-    offset = ext._replica_id_offset
+    n = len(strategy._extended._worker_devices)  # the local replicas
     run = _Run(strategy, n, slots, TorchState())
     if (
         type(args) is tuple
@@ -487,11 +498,11 @@ def call_for_each_replica(
         and not any(_nested(a) for a in args)
     ):
         run.replicas = [
-            _Replica(run, i, offset + i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)
+            _Replica(run, i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)
         ]
     else:
         run.replicas = [
-            _Replica(run, i, offset + i, fn, *select_replica(i, (args, kwargs))) for i in range(n)
+            _Replica(run, i, fn, *select_replica(i, (args, kwargs))) for i in range(n)
         ]
     if timeout is not None:
         return _run_on_workers(run, timeout)
