@@ -56,6 +56,7 @@ from torchstrategies.errors import DeadlineExceededError
 __all__ = [
     "acting_for",
     "capture_replica_thread",
+    "current_replica",
     "call_for_each_replica",
     "merge_call_in_replica_thread",
     "in_replica_thread",
@@ -302,8 +303,12 @@ def capture_replica_thread() -> Any:
     return r if r is not None else threading.current_thread()
 
 
-def _current_replica() -> _Replica | None:
+def current_replica() -> _Replica | None:
+    """The replica this thread runs (or acts for) now, of an in-process ``run`` (None: none, or in a merge)."""
     return getattr(_acting, "replica", None) or getattr(_local, "replica", None)
+
+
+_current_replica = current_replica
 
 
 def in_replica_thread() -> bool:
@@ -311,13 +316,15 @@ def in_replica_thread() -> bool:
     return _current_replica() is not None
 
 
-def merge_call_in_replica_thread(merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def merge_call_in_replica_thread(
+    merge_fn: Callable[..., Any], args: tuple, kwargs: dict, replica: _Replica | None = None
+) -> Any:
     """Pauses this replica until every replica reached its merge_call and the merge ran; returns our part.
 
     The replica that arrives last runs the merge function itself (in cross-replica context) and goes on
-    without a hand-over; the others wait for it.
+    without a hand-over; the others wait for it. ``replica``: ``current_replica()`` when the caller has it.
     """
-    r = _current_replica()
+    r = replica if replica is not None else _current_replica()
     assert r is not None
     run = r.run
     if run.error is not None:

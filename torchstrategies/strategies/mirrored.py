@@ -38,6 +38,7 @@ from torchstrategies.distribute.cross_device_ops import (
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
 from torchstrategies.distribute.mirrored_run import (
     call_for_each_replica,
+    current_replica,
     in_replica_thread,
     merge_call_in_replica_thread,
 )
@@ -81,6 +82,10 @@ def _parse_devices(devices: Sequence[Any]) -> tuple[tuple[str, ...], tuple[torch
 
 
 _guard_installed = False
+_STEP_CLOSURE = (
+    "optimizer.step(closure) is not supported inside strategy.run: compute the loss and call backward() in the "
+    "step function, then optimizer.step()"
+)
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
@@ -309,17 +314,17 @@ class MirroredExtended(StrategyExtended):
             ext = ext_ref()
             if ext is None:
                 return type(opt).step(opt, closure)
+            replica = current_replica()  # a replica of a scheduled run (replica context, by construction)
+            if replica is not None and replica.run.strategy._extended is ext:
+                if closure is not None:
+                    raise ValueError(_STEP_CLOSURE)
+                # what rc.merge_call reaches for such a replica, without its checks
+                return merge_call_in_replica_thread(optimizer_step, (), {}, replica)
             mode = context.current_mode()
             rc = mode.replica_context
             if rc is not None and mode.cross_replica is None and rc._strategy._extended is ext:
                 if closure is not None:
-                    raise ValueError(
-                        "optimizer.step(closure) is not supported inside strategy.run: compute the loss and "
-                        "call "
-                        "backward() in the step function, then optimizer.step()"
-                    )
-                if in_replica_thread():  # the scheduler's own merge_call (what rc.merge_call reaches)
-                    return merge_call_in_replica_thread(optimizer_step, (), {})
+                    raise ValueError(_STEP_CLOSURE)
                 return rc.merge_call(optimizer_step)
             return ext._apply_optimizer_step(opt, closure)
 
@@ -414,7 +419,9 @@ class MirroredExtended(StrategyExtended):
             nones = [None] * (n - 1)
             for (p, slot), total in zip(fast, totals, strict=True):
                 p.grad = total
-                slot.grads = [total, *nones]  # hand_down: every replica is on p's device
+                grads = slot.grads  # hand_down (every replica is on p's device), in place
+                grads[0] = total
+                grads[1:] = nones
         if rest:
             self._aggregate_general(rest, local)
 
