@@ -264,3 +264,71 @@ def test_deferred_merge_calls_that_a_replica_never_makes_are_named_and_a_failing
         s.run(failing_merge)
     assert threads == [me]
     assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)  # still usable
+
+
+@pytest.mark.timeout(60)
+def test_returning_a_detached_loss_after_the_step_keeps_the_calling_thread_and_the_same_results():
+    """``return loss.detach()`` (and ``.item()``) after ``optimizer.step()``, the README's step: no worker
+    runs it when ``loss`` is a tensor, and parameters and results equal the worker schedule's; an object
+    of another type with a ``detach`` method keeps the worker schedule (its method could see the merge)."""
+    me = threading.get_ident()
+
+    def train(tail: str, timeout: float | None) -> tuple[list[torch.Tensor], list, list[int]]:
+        s = ts.MirroredStrategy(num_replicas=2)
+        s.extended.merge_call_timeout = timeout  # set: every replica on a worker (the reference schedule)
+        with s.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        merges: list[int] = []
+        apply = s.extended._apply_optimizer_step
+
+        def spy(o, closure):
+            merges.append(threading.get_ident())
+            return apply(o, closure)
+
+        s.extended._apply_optimizer_step = spy
+
+        def detach(xb):
+            loss = ts.compute_average_loss(model(xb).pow(2).sum(1), global_batch_size=8)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        def item(xb):
+            loss = ts.compute_average_loss(model(xb).pow(2).sum(1), global_batch_size=8)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        fn = detach if tail == "detach" else item
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        xs = s.experimental_distribute_values_from_function(lambda c: x.chunk(2)[c.replica_id_in_sync_group])
+        results = [s.experimental_local_results(s.run(fn, args=(xs,))) for _ in range(3)]
+        return [p.detach().clone() for p in model.parameters()], results, merges
+
+    for tail in ("detach", "item"):
+        params, results, merges = train(tail, None)
+        ref_params, ref_results, ref_merges = train(tail, 30.0)
+        assert merges == [me] * 3, tail  # merged in the calling thread: no worker ran a replica
+        assert me not in ref_merges, tail
+        for a, b in zip(params, ref_params, strict=True):
+            assert torch.equal(a, b), tail
+        assert [[float(v) for v in r] for r in results] == [[float(v) for v in r] for r in ref_results], tail
+
+    s = ts.MirroredStrategy(num_replicas=2)
+    seen = _seen()
+
+    class Loss:
+        def detach(self) -> int:
+            return len(seen["merge"])  # what it returns depends on whether the merge already ran
+
+    def not_a_tensor():
+        loss = Loss()
+        ts.get_replica_context().merge_call(_record_merge(seen), args=(_rid(),))
+        return loss.detach()
+
+    assert s.run(not_a_tensor) == 1  # every replica's detach() ran after the merge, as written
+    assert seen["merge"] != [me]  # the last replica merged on its worker

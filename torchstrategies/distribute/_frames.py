@@ -7,7 +7,11 @@
   ``optimizer.step()`` under a strategy, ``ReplicaContext.merge_call`` and the strategy's ``_merge_call``
   do), and
 * ``fn`` itself drops that value, then returns a constant or a local variable (``optimizer.step()`` as
-  its last statement, or followed by ``return loss``: reading a local runs no code),
+  its last statement, or followed by ``return loss``: reading a local runs no code), or returns
+  ``<local>.detach()`` / ``.item()`` / ``.clone()`` / ``.cpu()`` of a local that is a ``torch.Tensor``
+  when the merge_call is made (``return loss.detach()``: those read the tensor the replica computed
+  before the merge_call and nothing the merge changes, so running them before the merge, as the
+  shortcut does, returns what running them after it would),
 * with no ``try``/``with`` block around any of those calls (an exception the merge raises would then
   reach code of the replica), on Python 3.11+ (where the exception table says so).
 
@@ -25,13 +29,18 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
+import torch
+
 __all__ = ["ends_replica_fn"]
 
 _MAX_DEPTH = 12  # frames between merge_call and fn that are looked at
 _CACHE_LIMIT = 4096
 # (id(code), offset, drops) -> (code, answer); keyed by id because hashing a code object is not cached
-_cache: dict[tuple[int, int, bool], tuple[CodeType, bool]] = {}
+_cache: dict[tuple[int, int, bool], tuple[CodeType, bool | str]] = {}
 _SUPPORTED = sys.version_info >= (3, 11)
+# Tensor methods ``fn`` may return the result of, called without arguments on a local tensor (pure reads)
+_RESULT_METHODS = frozenset({"detach", "item", "clone", "cpu"})
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (exactly: a subclass may override those methods)
 
 
 _caller: list[CodeType] = []
@@ -62,23 +71,33 @@ def _covered_by_handler(code: CodeType, lasti: int) -> bool:
     return any(e.start <= lasti < e.end for e in entries)
 
 
-def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool:
+def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool | str:
     """Whether the frame at ``lasti`` returns the call's value (``drops``: drops it and returns a constant
-    or a local)."""
+    or a local: True; or returns ``<local>.detach()`` and the like: that local's name, which must hold a
+    tensor)."""
     key = (id(code), lasti, drops)
     hit = _cache.get(key)
     if hit is not None and hit[0] is code:
         return hit[1]
     after, is_call = _next_ops(code, lasti)
-    ok = is_call and not _covered_by_handler(code, lasti)
+    ok: bool | str = is_call and not _covered_by_handler(code, lasti)
     if ok:
-        ops = [(i.opname, i.argval) for i in after[:3] if i.opname not in ("NOP", "CACHE")]
+        ops = [(i.opname, i.argval, i.arg) for i in after[:8] if i.opname not in ("NOP", "CACHE", "PRECALL")]
         if drops:  # POP_TOP, then return a constant or a local variable (reading it runs no code)
-            names = [name for name, _ in ops]
+            names = [name for name, _, _ in ops]
             ok = names[:1] == ["POP_TOP"] and (
                 names[1:2] == ["RETURN_CONST"]
                 or (len(names) >= 3 and names[1] in ("LOAD_CONST", "LOAD_FAST") and names[2] == "RETURN_VALUE")
             )
+            if (  # or return <local>.detach() and the like (LOAD_METHOD in 3.11, LOAD_ATTR from 3.12)
+                not ok
+                and names[:2] == ["POP_TOP", "LOAD_FAST"]
+                and names[2:3] in (["LOAD_METHOD"], ["LOAD_ATTR"])
+                and ops[2][1] in _RESULT_METHODS
+                and names[3:5] == ["CALL", "RETURN_VALUE"]
+                and ops[3][2] == 0
+            ):
+                ok = str(ops[1][1])
         else:
             ok = bool(ops) and ops[0][0] == "RETURN_VALUE"
     if len(_cache) >= _CACHE_LIMIT:
@@ -106,7 +125,10 @@ def ends_replica_fn(fn: Any, frame: FrameType | None) -> bool:
             return False
         back = f.f_back
         if f.f_code is code and back is not None and back.f_code is caller:
-            return _passes_through(code, f.f_lasti, drops=True)
+            answer = _passes_through(code, f.f_lasti, drops=True)
+            if isinstance(answer, str):  # return <local>.detach() etc.: only of a plain tensor
+                return type(f.f_locals.get(answer)) in _TENSOR_TYPES
+            return answer
         if not _passes_through(f.f_code, f.f_lasti, drops=False):
             return False
         f = back

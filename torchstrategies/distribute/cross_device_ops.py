@@ -192,6 +192,14 @@ class ReductionToOneDevice(CrossDeviceOps):
         if len(tensors) == 1:
             t = tensors[0].clone()
             return t * scale if scale is not None else t
+        if any(t.layout != torch.strided for t in tensors):
+            # Sparse gradients (nn.Embedding(sparse=True)): torch's sparse add, coalesced (TF sums
+            # IndexedSlices by concatenating them; coalescing adds the rows of repeated indices).
+            out = tensors[0]
+            for t in tensors[1:]:
+                out = out + t
+            out = out.coalesce() if out.is_sparse else out
+            return out * scale if scale is not None else out
         if tensors[0].dtype in FLOAT_DTYPES:
             return aggregate(tensors, self._method, scale=scale)
         out = aggregate(tensors, AggregationMethod.ADD_N)

@@ -208,6 +208,7 @@ class MirroredExtended(StrategyExtended):
                 for group in opt.param_groups:
                     params.extend(group["params"])
         self._slots.refresh(params, buffers)
+        self._plans.clear()  # (they hold slots: none may keep a replaced tensor's gradients alive)
 
     def _merge_call(self, replica_context: ReplicaContext, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
         if in_replica_thread():
