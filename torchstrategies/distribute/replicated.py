@@ -24,6 +24,7 @@ parametrizations, hooks, ``torch.func.functional_call`` and ``torch.compile``, w
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -42,11 +43,11 @@ class ReplicaSlot:
 
     __slots__ = (
         "ref", "is_param", "aggregation", "grads", "copies", "seeds", "home_data", "home_grad", "epoch",
-        "home_key",
+        "home_key", "__weakref__",
     )
 
     def __init__(self, t: torch.Tensor, is_param: bool, n: int):
-        self.ref = weakref.ref(t)
+        self.ref = weakref.ref(t, functools.partial(_forget_slot, weakref.ref(self)))
         self.is_param = is_param
         floating = t.is_floating_point() or t.is_complex()
         self.aggregation = (
@@ -59,6 +60,17 @@ class ReplicaSlot:
         self.home_grad: torch.Tensor | None = None
         self.epoch = 0  # buffers: bumped whenever the primary changes in cross-replica context
         self.home_key: tuple | None = None  # buffers: the primary as cross-replica context last left it
+
+
+def _forget_slot(slot_ref: weakref.ref[ReplicaSlot], _tensor_ref: Any) -> None:
+    """Its tensor died: what the replicas held for it (gradients, copies) goes too, not at the next run."""
+    slot = slot_ref()
+    if slot is not None:
+        n = len(slot.grads)
+        slot.grads = [None] * n
+        slot.copies = [None] * n
+        slot.seeds = [None] * n
+        slot.home_data = slot.home_grad = None
 
 
 def _key(t: torch.Tensor) -> tuple:

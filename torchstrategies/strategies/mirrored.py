@@ -396,6 +396,9 @@ class MirroredExtended(StrategyExtended):
         rest: list[tuple[torch.Tensor, ReplicaSlot]] = []
         for i, slot, device in self._gradient_plan(params):
             p = params[i]
+            if slot.ref() is not p:  # a new tensor where a dead one was (same id): plan anew
+                self._plans.clear()
+                return self.aggregate_gradients(params)
             grads = slot.grads
             if local and device is not None and p.device == device:
                 dtype = p.dtype
