@@ -31,6 +31,33 @@ def _rid() -> int:
 
 
 # -- _C.TensorWatch ------------------------------------------------------------------------------------
+# 4bf3876 takes ``changed(roots, lists)``; later builds take weak references to the roots and to the
+# optimizers whose param_groups hold the lists. ``_changed`` speaks to either, with the same meaning.
+_REFS_API = "root_refs" in (_C.TensorWatch.changed.__doc__ or "")
+
+
+class _Optimizer:
+    """What the watch reads of an optimizer: its param_groups' "params" lists."""
+
+    def __init__(self, lists: list[Any]) -> None:
+        self.param_groups = [{"params": lst} for lst in lists]
+
+
+def _weak(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return obj  # (not a weak reference: the watch must report a change, as for an unreadable root)
+
+
+def _changed(watch: Any, roots: list[Any], lists: list[Any]) -> bool:
+    """``watch.changed`` for the modules ``roots``, then the parameter lists ``lists``."""
+    if not _REFS_API:
+        return watch.changed(roots, lists)
+    opt = _Optimizer(lists)
+    return watch.changed([_weak(r) for r in roots], [weakref.ref(opt)] if lists else [])
+
+
 def _python_walk(roots: list[Any], lists: list[list[Any]]) -> list[Any]:
     """The sequence TensorWatch compares (csrc/cpu/tensor_watch.cpp): per root its modules in pre-order
     (each once per root), their parameters then buffers, each dict closed by a mark; then each list."""
@@ -57,8 +84,8 @@ def _watched() -> tuple[Any, list[nn.Module], list[list[torch.Tensor]]]:
     lists = [list(seq.parameters())]
     watch = _C.TensorWatch()
     assert len(watch) == 0
-    assert watch.changed(roots, lists) is True  # first call
-    assert watch.changed(roots, lists) is False  # the very same tensors
+    assert _changed(watch, roots, lists) is True  # first call
+    assert _changed(watch, roots, lists) is False  # the very same tensors
     assert len(watch) == len(_python_walk(roots, lists))
     return watch, roots, lists
 
@@ -116,9 +143,9 @@ CHANGES: dict[str, Callable[[list[nn.Module], list[list[torch.Tensor]]], None]] 
 def test_watch_reports_each_change_of_the_tensors_once(change):
     watch, roots, lists = _watched()
     CHANGES[change](roots, lists)
-    assert watch.changed(roots, lists) is True
+    assert _changed(watch, roots, lists) is True
     assert len(watch) == len(_python_walk(roots, lists))  # it now holds the new sequence
-    assert watch.changed(roots, lists) is False
+    assert _changed(watch, roots, lists) is False
 
 
 def test_watch_compares_tensor_identities_not_values_lists_or_tensorless_modules():
@@ -128,8 +155,8 @@ def test_watch_compares_tensor_identities_not_values_lists_or_tensorless_modules
     roots[0][0].weight.data = torch.ones(2, 3)  # .data: the same Parameter object
     roots[0][1] = nn.Tanh()  # a module without tensors swapped for another
     roots[0][0].double()  # parameters converted through .data: the same objects (no buffers here)
-    assert watch.changed(roots, [list(lists[0])]) is False  # a copy of the list: the same tensors
-    assert watch.changed(list(roots), lists) is False
+    assert _changed(watch, roots, [list(lists[0])]) is False  # a copy of the list: the same tensors
+    assert _changed(watch, list(roots), lists) is False
 
 
 def test_watch_len_and_clear():
@@ -137,29 +164,29 @@ def test_watch_len_and_clear():
     assert len(watch) > 0
     watch.clear()
     assert len(watch) == 0
-    assert watch.changed(roots, lists) is True  # forgotten: a change again
-    assert watch.changed(roots, lists) is False
+    assert _changed(watch, roots, lists) is True  # forgotten: a change again
+    assert _changed(watch, roots, lists) is False
 
 
 def test_watch_walks_a_shared_module_once_per_root_like_the_python_walk():
     lin = nn.Linear(2, 2)
     seq = nn.Sequential(lin, nn.ReLU(), lin, nn.Sequential(lin))
     watch = _C.TensorWatch()
-    watch.changed([seq], [])
+    _changed(watch, [seq], [])
     expected = _python_walk([seq], [])
     assert len(watch) == len(expected) == 4 * 2 + 2  # seq, lin, relu, inner: lin's 2 tensors once
     watch.clear()
-    watch.changed([seq, lin], [])  # lin again as a root of its own: walked again there
+    _changed(watch, [seq, lin], [])  # lin again as a root of its own: walked again there
     assert len(watch) == len(_python_walk([seq, lin], [])) == len(expected) + 4
     seq._modules["0"] = nn.Linear(2, 2)  # the shared one is still reached through "2"
-    assert watch.changed([seq, lin], []) is True
+    assert _changed(watch, [seq, lin], []) is True
     assert len(watch) == len(_python_walk([seq, lin], []))
 
 
 def test_watch_keeps_the_tensors_it_saw_until_clear_but_never_the_modules():
     watch = _C.TensorWatch()
     lin = nn.Linear(2, 2)
-    watch.changed([lin], [])
+    _changed(watch, [lin], [])
     module_ref, param_ref = weakref.ref(lin), weakref.ref(lin.weight)
     del lin
     gc.collect()
@@ -191,8 +218,26 @@ def test_watch_reports_a_change_every_time_for_what_it_cannot_read(odd):
         lists.append(tuple(nn.Linear(1, 1).parameters()))  # not a list
     watch = _C.TensorWatch()
     for _ in range(3):
-        assert watch.changed(roots, lists) is True
+        assert _changed(watch, roots, lists) is True
     assert len(watch) == 0  # nothing kept: the next call is a change too
+
+
+@pytest.mark.skipif(not _REFS_API, reason="this build's watch takes modules and lists, not weak references")
+@pytest.mark.parametrize("dies", ["root", "optimizer"])
+def test_watch_reports_a_change_while_a_root_or_optimizer_is_dead(dies):
+    keep, lin = nn.Linear(1, 1), nn.Linear(2, 2)
+    opt = _Optimizer([list(lin.parameters())])
+    refs, opt_refs = [weakref.ref(keep), weakref.ref(lin)], [weakref.ref(opt)]
+    watch = _C.TensorWatch()
+    assert watch.changed(refs, opt_refs) is True
+    assert watch.changed(refs, opt_refs) is False
+    if dies == "root":
+        del lin
+    else:
+        del opt
+    gc.collect()
+    for _ in range(2):
+        assert watch.changed(refs, opt_refs) is True
 
 
 # -- _refresh_slots: training parity when modules and optimizers change between runs ---------------
@@ -403,12 +448,12 @@ def test_a_replaced_parameter_is_held_until_the_next_run_only():
     with t.scope():
         t.opt = torch.optim.SGD(t.model.parameters(), lr=LR)  # no state keyed by the old parameter
     gc.collect()  # the first optimizer (its death clears the watch) is gone before the runs
-    t.fit(range(1))
+    t.fit(range(2))  # (two runs: a watch that saw a dead optimizer may keep nothing after the first)
     old_ref = weakref.ref(t.model.body[0].weight)
     _replace_in_optimizer_list(t)  # the optimizer lives on, without the old parameter
     gc.collect()
     assert old_ref() is not None  # the watch holds the tensors the last run saw
-    t.fit(range(1, 2))
+    t.fit(range(2, 3))
     gc.collect()
     assert old_ref() is None
 
