@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -238,6 +240,62 @@ def test_watch_reports_a_change_while_a_root_or_optimizer_is_dead(dies):
     gc.collect()
     for _ in range(2):
         assert watch.changed(refs, opt_refs) is True
+
+
+_REENTRANT_CLEAR = """
+import gc, weakref
+from torch import nn
+from torchstrategies._ext import _C
+
+refs_api = "root_refs" in (_C.TensorWatch.changed.__doc__ or "")
+
+
+class Cycle:
+    pass
+
+
+watch = _C.TensorWatch()
+lin = nn.Linear(2, 2)
+fresh = nn.Tanh()  # nothing set through Module.__setattr__: its __dict__ is not materialized yet
+roots = [weakref.ref(lin), weakref.ref(fresh)] if refs_api else [lin, fresh]
+lists = []
+watch.changed(roots[:1], lists)  # lin's tensors: the prefix the next call matches first
+changed = watch.changed
+gc.collect()
+gc.disable()
+garbage = Cycle()
+garbage.cycle = garbage  # e.g. an optimizer made in scope (its bound step/zero_grad make a cycle)
+ref = weakref.ref(garbage, lambda _r: CALLBACK)  # MirroredExtended._forget_watched clears the watch
+del garbage
+hold = [{} for _ in range(200)]  # no free dict left: materializing fresh's __dict__ allocates one
+gc.set_threshold(1)
+gc.enable()  # the next allocation collects: the one inside changed(), after lin's tensors matched
+changed(roots, lists)
+gc.set_threshold(700)
+print("ok" if ref() is None else "no collection")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    sys.version_info < (3, 12),  # (3.12 on collects at the interpreter's next check, not in an allocation)
+    strict=True,
+    raises=AssertionError,
+    reason="library bug: a garbage collection inside TensorWatch.changed() (materializing a module's "
+    "__dict__ allocates) can run the strategy's weakref callback watch.clear(), which empties the vector "
+    "the walk compares against and releases its tensors: a crash (null/dangling pointers)",
+)
+def test_watch_survives_clear_from_a_collection_during_changed():
+    control = _run_python(_REENTRANT_CLEAR.replace("CALLBACK", "None"))  # the same collection, no clear()
+    assert control.returncode == 0 and control.stdout.strip() == "ok", control.stderr[-2000:]
+    proc = _run_python(_REENTRANT_CLEAR.replace("CALLBACK", "watch.clear()"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=False
+    )
 
 
 # -- _refresh_slots: training parity when modules and optimizers change between runs ---------------
