@@ -673,7 +673,7 @@ def _replica_grads_then_step(s: Any, params: list, opt: torch.optim.Optimizer, l
     return list(s.experimental_local_results(s.run(fn)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_gradients_are_summed(dtype):
     s = ts.MirroredStrategy(num_replicas=2)
     with s.scope():
