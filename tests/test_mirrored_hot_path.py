@@ -1,4 +1,4 @@
-"""MirroredStrategy's hot path (commit 4bf3876): ``_C.TensorWatch`` (the module walk only when tensors
+"""MirroredStrategy's hot path: ``_C.TensorWatch`` (the module walk only when tensors
 changed), ``_refresh_slots`` on it, the replica ``zero_grad`` fast path and ``aggregate_gradients``' cached
 plan. Whatever a user or torch does to modules and optimizers between runs, training equals plain torch on
 one device with the same global batch (float64, 1e-9); the gradient sums equal sums formed by hand.
@@ -33,9 +33,7 @@ def _rid() -> int:
 
 
 # -- _C.TensorWatch ------------------------------------------------------------------------------------
-# 4bf3876 takes ``changed(roots, lists)``; later builds take weak references to the roots and to the
-# optimizers whose param_groups hold the lists. ``_changed`` speaks to either, with the same meaning.
-_REFS_API = "root_refs" in (_C.TensorWatch.changed.__doc__ or "")
+# ``changed`` takes weak references to the roots and to the optimizers whose param_groups hold the lists.
 
 
 class _Optimizer:
@@ -54,8 +52,6 @@ def _weak(obj: Any) -> Any:
 
 def _changed(watch: Any, roots: list[Any], lists: list[Any]) -> bool:
     """``watch.changed`` for the modules ``roots``, then the parameter lists ``lists``."""
-    if not _REFS_API:
-        return watch.changed(roots, lists)
     opt = _Optimizer(lists)
     return watch.changed([_weak(r) for r in roots], [weakref.ref(opt)] if lists else [])
 
@@ -224,7 +220,6 @@ def test_watch_reports_a_change_every_time_for_what_it_cannot_read(odd):
     assert len(watch) == 0  # nothing kept: the next call is a change too
 
 
-@pytest.mark.skipif(not _REFS_API, reason="this build's watch takes modules and lists, not weak references")
 @pytest.mark.parametrize("dies", ["root", "optimizer"])
 def test_watch_reports_a_change_while_a_root_or_optimizer_is_dead(dies):
     keep, lin = nn.Linear(1, 1), nn.Linear(2, 2)
@@ -285,14 +280,6 @@ def test_a_collection_during_changed_runs_callbacks_without_harm():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    sys.version_info < (3, 12),  # (3.12 on collects at the interpreter's next check, not in an allocation)
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: a garbage collection inside TensorWatch.changed() (materializing a module's "
-    "__dict__ allocates) can run the strategy's weakref callback watch.clear(), which empties the vector "
-    "the walk compares against and releases its tensors: a crash (null/dangling pointers)",
-)
 def test_watch_survives_clear_from_a_collection_during_changed():
     proc = _run_python(_REENTRANT_CLEAR.replace("CALLBACK", "watch.clear()"))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
@@ -522,12 +509,6 @@ def test_a_replaced_parameter_is_held_until_the_next_run_only():
     assert old_ref() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: MirroredExtended._plans keeps the ReplicaSlot (and its summed gradient) of a deleted "
-    "model's optimizer list after the next run",
-)
 def test_a_deleted_model_gradients_are_released_once_the_strategy_runs_another_model():
     t = _Trainer(ts.MirroredStrategy(num_replicas=2))
     t.fit(range(2))
@@ -693,12 +674,6 @@ def test_half_precision_gradients_are_summed(dtype):
         assert torch.equal(p.detach(), p0.add(total, alpha=-LR))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="library bug (before 4bf3876 too): ReductionToOneDevice._sum sends sparse COO gradients to the "
-    "accumulate_n kernel, which has no SparseCPU implementation",
-)
 def test_sparse_embedding_gradients_are_summed_like_one_device():
     idx = torch.tensor([[1, 3, 3, 7], [3, 0, 7, 9]])  # overlapping rows between the replicas
     results = []
@@ -779,13 +754,6 @@ def test_cross_replica_steps_with_the_optimizer_list_mutated_between_them_equal_
     _assert_same(got, ref, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: _gradient_plan's cache is checked by id() of tensors nothing keeps alive once the "
-    "watch was cleared (an in-scope module or optimizer died); a new parameter at a dead one's address "
-    "gets the dead one's ReplicaSlot and its stale gradient",
-)
 def test_a_new_parameter_at_a_dead_parameters_address_does_not_get_its_gradient():
     s = ts.MirroredStrategy(num_replicas=2)
     with s.scope():
