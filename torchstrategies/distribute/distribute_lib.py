@@ -272,8 +272,6 @@ class ReplicaContext:
 
 
 class _ScopeContext:
-    __slots__ = ("_strategy", "_mode", "_reentered")
-
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
         self._mode: _Mode | None = None
@@ -281,7 +279,7 @@ class _ScopeContext:
 
     def __enter__(self) -> Strategy:
         s = self._strategy
-        ext = s._extended
+        ext = s.extended
         if ext._is_default:
             if has_strategy():
                 raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
@@ -289,11 +287,8 @@ class _ScopeContext:
             require_cross_replica(ext)
             self._reentered = True
             return s
-        mode = ext._scope_mode
-        if mode is None or mode.strategy is not s:
-            mode = ext._scope_mode = _Mode(s, None, s, is_default=ext._is_default)  # (never mutated)
-        self._mode = mode
-        push_mode(mode)
+        self._mode = _Mode(s, None, s, is_default=ext._is_default)
+        push_mode(self._mode)
         with ext._lock:
             ext._scope_depth += 1
         return s
@@ -303,7 +298,7 @@ class _ScopeContext:
             return
         assert self._mode is not None
         pop_mode(self._mode)
-        ext = self._strategy._extended
+        ext = self._strategy.extended
         with ext._lock:
             ext._scope_depth -= 1
             outermost = ext._scope_depth == 0
@@ -443,7 +438,6 @@ class StrategyExtended:
         self._container_ref: Any = None
         self._lock = threading.RLock()
         self._scope_depth = 0
-        self._scope_mode: _Mode | None = None  # the cross-replica mode scope() pushes (made once)
         self._tracked_modules: list[weakref.ref[torch.nn.Module]] = []
         self._tracked_ids: set[int] = set()
         self._created_vars: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()

@@ -455,7 +455,7 @@ def _merge(run: _Run) -> None:
             merge_args = regroup([q.merge_args for q in replicas])
             merge_kwargs = regroup([q.merge_kwargs for q in replicas])
             break
-    mode = strategy._extended._scope_mode or _Mode(strategy, None, strategy, False)  # cross-replica context
+    mode = _Mode(strategy, None, strategy, False)  # cross-replica context
     local, acting = getattr(_local, "replica", None), getattr(_acting, "replica", None)
     _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
     grad = torch.is_grad_enabled()
