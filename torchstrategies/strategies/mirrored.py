@@ -411,7 +411,7 @@ class MirroredExtended(StrategyExtended):
                     else:
                         fast.append((p, slot))
                         for k in range(n):
-                            columns[k].append(grads[k])
+                            columns[k].append(grads[k])  # type: ignore[arg-type]  # (no None: loop above)
                         continue
             rest.append((p, slot))
         if fast:
@@ -441,15 +441,16 @@ class MirroredExtended(StrategyExtended):
             if ref is None:
                 continue  # nothing new from the replicas: keep the primary gradient
             if local and all(g is not None for g in grads):
+                every = cast(list[torch.Tensor], grads)  # no None, checked just above
                 dtype, shape, device = ref.dtype, ref.shape, p.device
                 if (
                     dtype in FLOAT_DTYPES
                     and ref.layout == torch.strided
-                    and all(g.dtype == dtype and g.shape == shape and g.device == device for g in grads)
+                    and all(g.dtype == dtype and g.shape == shape and g.device == device for g in every)
                 ):
-                    every = cast(list[torch.Tensor], grads)
-                    p.grad = ops._sum(list(every), None) if len(every) > 1 else ref.clone()
-                    slots.hand_down(slot, p.grad)
+                    total = cast(ReductionToOneDevice, ops)._sum(list(every), None) if len(every) > 1 else ref.clone()
+                    p.grad = total
+                    slots.hand_down(slot, total)
                     continue
             full = [
                 g if g is not None else torch.zeros_like(ref, device=self._worker_devices[i])
