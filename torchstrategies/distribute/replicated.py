@@ -17,6 +17,10 @@ hold exactly one replica's view:
   ones such as ``num_batches_tracked``) and re-seeded from it at their next use. For the linear updates
   buffers receive (running averages, counters) this is exactly TF's ON_READ value.
 
+Between two replicas that share the primaries' storage (CPU replicas, or replicas on the parameters' own
+device) ``hand_over`` swaps only the gradients, in one pass. A slot drops what replicas held for its
+tensor (gradients, copies) when the tensor dies.
+
 Because nothing is a tensor subclass, whatever torch does to a module keeps working: ``copy.deepcopy``
 (the copies are found again through the module tree and the optimizers), ``.to()``, ``state_dict``,
 parametrizations, hooks, ``torch.func.functional_call`` and ``torch.compile``, which sees plain tensors.
