@@ -29,8 +29,9 @@ statistics, ``compute_average_loss`` without a batch size, GradScaler's inf chec
 Running one at a time makes the result deterministic, the per-replica state thread-safe, and lets the
 scheduler swap each replica's view of the parameters in and out (``replicated.ReplicaSlots``) at every
 hand-over (between two replicas in the calling thread, in one pass: ``ReplicaSlots.hand_over``). Each
-replica's ReplicaContext (and its context mode) is made once per strategy and serves every run. If some replicas finish while others wait in merge_call, a RuntimeError is raised ("Some
-replicas made a different number of replica_context().merge_call() calls") instead of hanging.
+replica's ReplicaContext (and its context mode) is made once per strategy and serves every run. If some
+replicas finish while others wait in merge_call, a RuntimeError is raised ("Some replicas made a different
+number of replica_context().merge_call() calls") instead of hanging.
 
 The caller's thread-local torch state (grad mode, inference mode, autocast per device type, intra-op
 thread count) is what replicas in the calling thread see anyway; it is entered around ``fn`` on every
