@@ -289,17 +289,20 @@ def test_returning_a_detached_loss_after_the_step_keeps_the_calling_thread_and_t
 
         s.extended._apply_optimizer_step = spy
 
-        def detach(xb):
+        def backward(xb):
             loss = ts.compute_average_loss(model(xb).pow(2).sum(1), global_batch_size=8)
             opt.zero_grad()
             loss.backward()
+            return loss
+
+        # (the step and what follows it must be the replica function's own last lines)
+        def detach(xb):
+            loss = backward(xb)
             opt.step()
             return loss.detach()
 
         def item(xb):
-            loss = ts.compute_average_loss(model(xb).pow(2).sum(1), global_batch_size=8)
-            opt.zero_grad()
-            loss.backward()
+            loss = backward(xb)
             opt.step()
             return loss.item()
 

@@ -147,12 +147,8 @@ class TensorWatch {
         PyObject* m = stack.back();
         stack.pop_back();
         if (!visited.insert(m).second) continue;
-        PyObject* dict = PyObject_GenericGetDict(m, nullptr);  // new reference; may allocate (collect)
-        if (dict == nullptr) {
-          PyErr_Clear();
-          return false;
-        }
-        held.adopt(dict);
+        PyObject* dict = instance_dict(m, held);
+        if (dict == nullptr) return false;
         PyObject* params = PyDict_GetItemWithError(dict, k_params);  // borrowed
         PyObject* buffers = params ? PyDict_GetItemWithError(dict, k_buffers) : nullptr;
         PyObject* children = buffers ? PyDict_GetItemWithError(dict, k_modules) : nullptr;
@@ -183,12 +179,8 @@ class TensorWatch {
       PyObject* opt = referent(ref.ptr());
       if (opt == nullptr) return false;
       held.keep(opt);
-      PyObject* dict = PyObject_GenericGetDict(opt, nullptr);  // new reference; may allocate (collect)
-      if (dict == nullptr) {
-        PyErr_Clear();
-        return false;
-      }
-      held.adopt(dict);
+      PyObject* dict = instance_dict(opt, held);
+      if (dict == nullptr) return false;
       PyObject* groups = PyDict_GetItemWithError(dict, k_groups);  // borrowed
       if (!groups || !PyList_CheckExact(groups)) {
         PyErr_Clear();
@@ -207,6 +199,17 @@ class TensorWatch {
       }
     }
     return true;
+  }
+
+  // `obj`'s instance __dict__ (held until the walk ends), or nullptr when it has none. Creating it (a
+  // module's may not exist yet) allocates, which may start a collection: Python code may run here.
+  static PyObject* instance_dict(PyObject* obj, Held& held) {
+    PyObject* dict = PyObject_GenericGetDict(obj, nullptr);  // new reference
+    if (dict == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    return held.adopt(dict);
   }
 
   // The live object behind weak reference `ref` (borrowed, alive until the caller runs Python code), or

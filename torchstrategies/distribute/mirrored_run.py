@@ -310,12 +310,10 @@ def current_replica() -> _Replica | None:
     return getattr(_acting, "replica", None) or getattr(_local, "replica", None)
 
 
-_current_replica = current_replica
-
 
 def in_replica_thread() -> bool:
     """Whether this thread runs (or acts for) a replica of an in-process ``run`` now (not its merge)."""
-    return _current_replica() is not None
+    return current_replica() is not None
 
 
 def merge_call_in_replica_thread(
@@ -326,7 +324,7 @@ def merge_call_in_replica_thread(
     The replica that arrives last runs the merge function itself (in cross-replica context) and goes on
     without a hand-over; the others wait for it. ``replica``: ``current_replica()`` when the caller has it.
     """
-    r = replica if replica is not None else _current_replica()
+    r = replica if replica is not None else current_replica()
     assert r is not None
     run = r.run
     if run.error is not None:
