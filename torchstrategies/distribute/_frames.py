@@ -1,7 +1,8 @@
 """Whether a ``merge_call`` is the last thing a replica function does (``mirrored_run``'s shortcut).
 
-``ends_replica_fn(fn, frame)`` looks at the Python frames between a merge_call and the replica function
-``fn`` that ``_Replica.call`` called, at the bytecode each will execute next:
+``ends_replica_fn(fn, frame)`` (made by ``replica_fn_check``) looks at the Python frames between a
+merge_call and the replica function ``fn`` that ``_Replica.call`` called, at the bytecode each will
+execute next:
 
 * every frame in between returns the merge_call's value as it is (``return ctx.merge_call(...)``, as
   ``optimizer.step()`` under a strategy, ``ReplicaContext.merge_call`` and the strategy's ``_merge_call``
@@ -18,41 +19,26 @@
 Then nothing of the replica runs after the merge_call, so the scheduler may let ``fn`` end at once and run
 the merge when the last replica arrives, without a thread of its own for this replica. Anything else
 (a bound ``functools.partial``, a compiled or traced function, code after the call, another Python
-version's bytecode this does not know) answers False: the general, threaded schedule. Answers are cached
-per code object and instruction offset.
+version's bytecode this does not know) answers False: the general, threaded schedule. The walk runs in C
+(``_C.FrameCheck``); answers are cached per code object and instruction offset.
 """
 
 from __future__ import annotations
 
 import dis
 import sys
+from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, cast
 
-import torch
+from torchstrategies._ext import _C
 
-__all__ = ["ends_replica_fn"]
+__all__ = ["replica_fn_check"]
 
 _MAX_DEPTH = 12  # frames between merge_call and fn that are looked at
-_CACHE_LIMIT = 4096
-# (id(code), offset, drops) -> (code, answer); keyed by id because hashing a code object is not cached
-_cache: dict[tuple[int, int, bool], tuple[CodeType, bool | str]] = {}
 _SUPPORTED = sys.version_info >= (3, 11)
 # Tensor methods ``fn`` may return the result of, called without arguments on a local tensor (pure reads)
 _RESULT_METHODS = frozenset({"detach", "item", "clone", "cpu"})
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (exactly: a subclass may override those methods)
-
-
-_caller: list[CodeType] = []
-
-
-def _caller_code() -> CodeType:
-    """The code of ``_Replica.call``, the frame that calls a replica function."""
-    if not _caller:
-        from torchstrategies.distribute.mirrored_run import _Replica
-
-        _caller.append(_Replica.call.__code__)
-    return _caller[0]
 
 
 def _next_ops(code: CodeType, lasti: int) -> tuple[list[dis.Instruction], bool]:
@@ -74,11 +60,7 @@ def _covered_by_handler(code: CodeType, lasti: int) -> bool:
 def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool | str:
     """Whether the frame at ``lasti`` returns the call's value (``drops``: drops it and returns a constant
     or a local: True; or returns ``<local>.detach()`` and the like: that local's name, which must hold a
-    tensor)."""
-    key = (id(code), lasti, drops)
-    hit = _cache.get(key)
-    if hit is not None and hit[0] is code:
-        return hit[1]
+    tensor). ``_C.FrameCheck`` caches the answers per code object and offset."""
     after, is_call = _next_ops(code, lasti)
     ok: bool | str = is_call and not _covered_by_handler(code, lasti)
     if ok:
@@ -100,36 +82,15 @@ def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool | str:
                 ok = str(ops[1][1])
         else:
             ok = bool(ops) and ops[0][0] == "RETURN_VALUE"
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[key] = (code, ok)
     return ok
 
 
-def ends_replica_fn(fn: Any, frame: FrameType | None) -> bool:
-    """Whether the merge_call made in ``frame`` (the caller of the scheduler) is ``fn``'s last act.
-
-    Args:
-        fn: the replica function ``_Replica.call`` called.
-        frame: the frame that called the scheduler's merge_call entry point.
-    """
-    if not _SUPPORTED:
-        return False
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, CodeType):
-        return False
-    caller = _caller_code()
-    f = frame
-    for _ in range(_MAX_DEPTH):
-        if f is None:
-            return False
-        back = f.f_back
-        if f.f_code is code and back is not None and back.f_code is caller:
-            answer = _passes_through(code, f.f_lasti, drops=True)
-            if isinstance(answer, str):  # return <local>.detach() etc.: only of a plain tensor
-                return type(f.f_locals.get(answer)) in _TENSOR_TYPES
-            return answer
-        if not _passes_through(f.f_code, f.f_lasti, drops=False):
-            return False
-        f = back
-    return False
+def replica_fn_check(caller: CodeType) -> Callable[[Any, FrameType | None], bool]:
+    """``ends_replica_fn(fn, frame)`` for replica functions called by the code ``caller``
+    (``_Replica.call``): whether the merge_call made in ``frame`` (the frame that called the scheduler's
+    merge_call entry point) is ``fn``'s last act. The frame walk and its cache are in C
+    (``_C.FrameCheck``, csrc/cpu/frame_check.cpp); a local named by ``return <local>.detach()`` must hold
+    exactly a ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override those methods)."""
+    if not _SUPPORTED or not _C.FRAME_CHECK_SUPPORTED:
+        return lambda fn, frame: False
+    return cast(Callable[[Any, Any], bool], _C.FrameCheck(caller, _passes_through, _MAX_DEPTH))

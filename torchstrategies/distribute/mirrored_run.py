@@ -9,7 +9,7 @@ statistics, ``compute_average_loss`` without a batch size, GradScaler's inf chec
   all). One of them that does call merge_call is a mismatch and raises RuntimeError naming the replica
   and the merge function.
 * A merge_call that ends ``fn`` (nothing of the replica runs after it: ``optimizer.step()`` as the last
-  statement, or followed by ``return <local>``; see ``_frames.ends_replica_fn``) returns at once for
+  statement, or followed by ``return <local>``; see ``_frames.replica_fn_check``) returns at once for
   every replica but the last to arrive, so they all run in the calling thread; the last one runs the
   merge function (with every replica's arguments) in that thread. Seen from the replicas and the
   result, this is the schedule below without its thread hand-overs. A replica that then finishes
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from torchstrategies.distribute._frames import ends_replica_fn
+from torchstrategies.distribute._frames import replica_fn_check
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
 from torchstrategies.distribute.distribute_lib import ReplicaContext
 from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
@@ -113,20 +113,22 @@ class TorchState:
 
 
 def _replica_modes(strategy: Any, n: int) -> list[_Mode]:
-    """The replica-context modes of ``strategy``'s ``n`` local replicas, kept on its extended: a
-    ReplicaContext holds nothing of one run, so the same one serves every run (as the same replica)."""
+    """The replica-context modes of ``strategy``'s ``n`` local replicas, then its cross-replica mode (index
+    ``n``, for merge functions), kept on its extended: a ReplicaContext holds nothing of one run, so the
+    same one serves every run (as the same replica)."""
     ext = strategy._extended
     offset = ext._replica_id_offset
     modes: list[_Mode] | None = getattr(ext, "_replica_modes", None)
     if (
         modes is None
-        or len(modes) != n
+        or len(modes) != n + 1
         or modes[0].strategy is not strategy
         or modes[0].replica_context._replica_id_in_sync_group != offset  # type: ignore[union-attr]
     ):
         modes = [
             _Mode(strategy, ReplicaContext(strategy, offset + i, i), None, ext._is_default) for i in range(n)
         ]
+        modes.append(_Mode(strategy, None, strategy, False))
         ext._replica_modes = modes
     return modes
 
@@ -138,25 +140,22 @@ def _merge_name(merge_fn: Any) -> str:
 class _Run:
     """One ``call_for_each_replica``: its replicas, their workers, the slots and the first error."""
 
-    __slots__ = (
-        "strategy", "n", "slots", "ts", "replicas", "workers", "idle", "threaded", "error", "over", "arrived",
-        "deferred", "modes",
-    )
+    # What a run starts with: class attributes, until the run sets its own (one store less each per run).
+    threaded = False  # replicas 1..n-1 run on workers (replica 0 reached a merge_call)
+    error: BaseException | None = None  # raised by every later merge_call and by the run
+    over = False
+    arrived = 0  # replicas waiting in the current merge_call
+    deferred = 0  # of those, replicas whose fn ended after it (their merge_call returned early)
+    workers: list[_Worker | None] | None = None  # worker i (taken at replica i's first turn on a thread)
+    idle: list[bool] | None = None  # whether worker i is waiting (not inside its replica's code)
 
     def __init__(self, strategy: Any, n: int, slots: Any, ts: TorchState):
         self.strategy = strategy
         self.n = n
         self.slots = slots
         self.ts = ts
-        self.modes = _replica_modes(strategy, n)  # replica i's context (made once per strategy)
+        self.modes = _replica_modes(strategy, n)  # replica i's context, then the merge's (made once per strategy)
         self.replicas: list[_Replica] = []
-        self.workers: list[_Worker | None] = [None] * n
-        self.idle = [True] * n  # whether worker i is waiting (not inside its replica's code)
-        self.threaded = False  # replicas 1..n-1 run on workers (replica 0 reached a merge_call)
-        self.error: BaseException | None = None  # raised by every later merge_call and by the run
-        self.over = False
-        self.arrived = 0  # replicas waiting in the current merge_call
-        self.deferred = 0  # of those, replicas whose fn ended after it (their merge_call returned early)
 
     def fail(self, error: BaseException) -> BaseException:
         if self.error is None:
@@ -216,6 +215,11 @@ class _Replica:
             self.exc = e
         finally:
             _local.replica = None
+
+
+# Whether a merge_call is the last act of the replica function (distribute/_frames.py): then the replica may
+# end at once, and the merge run when the last replica arrives (no worker thread).
+_ends_replica_fn = replica_fn_check(_Replica.call.__code__)
 
 
 class _Worker(threading.Thread):
@@ -343,9 +347,9 @@ def merge_call_in_replica_thread(
     inline = r.worker is None and getattr(_acting, "replica", None) is None  # fn's own frames are above
     if run.arrived == run.n:
         # The replica view comes back after the merge unless nothing of fn runs after it.
-        _merge_here(run, r, not (inline and ends_replica_fn(r.fn, sys._getframe(1))))
+        _merge_here(run, r, not (inline and _ends_replica_fn(r.fn, sys._getframe(1))))
         return r.merge_result
-    if not run.threaded and inline and ends_replica_fn(r.fn, sys._getframe(1)):
+    if not run.threaded and inline and _ends_replica_fn(r.fn, sys._getframe(1)):
         # Nothing of fn runs after this merge_call and its result is dropped: fn may end now, and the
         # merge runs when the last replica arrives, in this thread, with no worker thread at all.
         run.deferred += 1
@@ -415,6 +419,9 @@ def _resume(run: _Run, i: int, timeout: float | None) -> _Replica:
     """Lets replica ``i`` run on its worker (taken from the pool at its first turn) until it pauses or
     ends; raises what it (or a merge it ran) raised."""
     r = run.replicas[i]
+    if run.workers is None:
+        run.workers = [None] * run.n
+        run.idle = [True] * run.n
     w = run.workers[i]
     if w is None:
         w = run.workers[i] = _pool.take()
@@ -423,13 +430,15 @@ def _resume(run: _Run, i: int, timeout: float | None) -> _Replica:
     slots = run.slots
     if slots is not None:
         slots.activate(i)
+    idle = run.idle
+    assert idle is not None
     try:
-        run.idle[i] = False
+        idle[i] = False
         if not w.resume(timeout):
             raise DeadlineExceededError(
                 f"Replica {i} neither finished nor reached merge_call within {timeout} s"
             )
-        run.idle[i] = True
+        idle[i] = True
     finally:
         if slots is not None:
             slots.deactivate()
@@ -455,7 +464,7 @@ def _merge(run: _Run) -> None:
             merge_args = regroup([q.merge_args for q in replicas])
             merge_kwargs = regroup([q.merge_kwargs for q in replicas])
             break
-    mode = _Mode(strategy, None, strategy, False)  # cross-replica context
+    mode = run.modes[run.n]  # cross-replica context
     local, acting = getattr(_local, "replica", None), getattr(_acting, "replica", None)
     _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
     grad = torch.is_grad_enabled()
@@ -586,6 +595,8 @@ def _run_on_workers(run: _Run, timeout: float | None) -> Any:
 def _finish(run: _Run) -> None:
     """Stops replicas still paused in merge_call and returns the workers that are idle to the pool."""
     back = []
+    if run.workers is None or run.idle is None:
+        return  # no replica ran on a worker
     for i, w in enumerate(run.workers):
         if w is None or not run.idle[i]:
             continue  # never taken, or still running past a deadline: never reused

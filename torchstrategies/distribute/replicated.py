@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torchstrategies._ext import _C
 from torchstrategies.distribute.enums import VariableAggregation
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
@@ -95,8 +96,9 @@ class ReplicaSlots:
         self.cross_device_ops = cross_device_ops
         self._slots: dict[int, ReplicaSlot] = {}
         self._active: list[ReplicaSlot] = []
-        self._active_index: int | None = None
+        self.active_index: int | None = None  # the replica whose view is swapped in (None: cross-replica)
         self._grads_only = False  # the active replica's view differs from the primaries in gradients only
+        self._params_only = False  # every swapped tensor is a parameter (no buffers): _C.swap_gradients may swap
         self._buffers_dirty = False
         self._key: tuple[list[int], list[int]] | None = None  # what ``refresh`` last saw
         self.generation = 0  # bumped whenever the replicated set changes (plans built on it are stale)
@@ -133,6 +135,7 @@ class ReplicaSlots:
                 new[id(t)] = s
         self._slots = new
         self._active = [s for s in new.values() if self._needs_swap(s)]
+        self._params_only = all(s.is_param for s in self._active)
         self.generation += 1
 
     def _needs_swap(self, s: ReplicaSlot) -> bool:
@@ -149,8 +152,13 @@ class ReplicaSlots:
     # -- the swap ---------------------------------------------------------------------------------
     def activate(self, i: int) -> None:
         """Gives every replicated tensor replica ``i``'s gradient and storage."""
-        assert self._active_index is None, "a replica is already active"
+        assert self.active_index is None, "a replica is already active"
         device = self.devices[i]
+        if self._params_only and _C.swap_gradients(self._active, -1, i, device):
+            # (in C: every parameter on replica i's device, so only gradients differ; see replica_grads.cpp)
+            self.active_index = i
+            self._grads_only = True
+            return
         grads_only = True
         for s in self._active:
             t = s.ref()
@@ -176,35 +184,35 @@ class ReplicaSlots:
                     s.home_data = t.data
                     t.data = self._buffer_copy(s, t, i, device)
                 self._buffers_dirty = True
-        self._active_index = i
+        self.active_index = i
         self._grads_only = grads_only
-
-    @property
-    def active_index(self) -> int | None:
-        """The replica whose view is swapped in, or None (cross-replica view)."""
-        return self._active_index
 
     def hand_over(self, i: int) -> None:
         """``deactivate()`` then ``activate(i)``; in one pass when both replicas' views differ from the
         primaries in gradients only (parameters where they live, no buffers), as for CPU replicas."""
-        j = self._active_index
+        j = self.active_index
         if j is None or not self._grads_only or self.devices[i] != self.devices[j]:
             self.deactivate()
             self.activate(i)
+            return
+        if self._params_only and _C.swap_gradients(self._active, j, i, self.devices[i]):
+            self.active_index = i
             return
         for s in self._active:
             t = s.ref()
             if t is not None:
                 s.grads[j] = t.grad
                 t.grad = s.grads[i]
-        self._active_index = i
+        self.active_index = i
 
     def deactivate(self) -> None:
         """Stores the active replica's gradients/storages and restores the primaries (main thread)."""
-        i = self._active_index
+        i = self.active_index
         if i is None:
             return
-        self._active_index = None
+        self.active_index = None
+        if self._grads_only and self._params_only and _C.swap_gradients(self._active, i, -1, self.devices[i]):
+            return
         for s in self._active:
             t = s.ref()
             if t is None:

@@ -57,6 +57,8 @@ _log = logging.getLogger("torchstrategies.strategies")
 # float16/bfloat16 in float32, so those keep the kernel).
 _FOREACH_EXACT = (torch.float32, torch.float64)
 
+_PlanEntry = tuple[int, ReplicaSlot, Any]  # aggregate_gradients: (index in params, slot, common device)
+
 
 def _default_devices() -> list[str]:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
@@ -150,8 +152,8 @@ class MirroredExtended(StrategyExtended):
         watch = self._watch
         self._forget_watched = lambda _ref: watch.clear()  # a module or optimizer died (no cycle via self)
         self._slots = ReplicaSlots(self._worker_devices, self._cross_device_ops)
-        # aggregate_gradients' plans: id(params list) -> (slots generation, the list's tensor ids, plan)
-        self._plans: dict[int, tuple[int, list[int], list[tuple[int, ReplicaSlot, Any]]]] = {}
+        # aggregate_gradients' plans: id(params list) -> (slots generation, the list's tensor ids, plans)
+        self._plans: dict[int, tuple[int, list[int], list[_PlanEntry], list[_PlanEntry]]] = {}
         _install_outside_scope_guard()
         install_step_once_support()
 
@@ -295,11 +297,12 @@ class MirroredExtended(StrategyExtended):
             ):
                 # A replica's zero_grad (once per replica per step): what torch's does with set_to_none,
                 # without its record_function and dynamo wrappers (kept whenever a profiler records, or
-                # dynamo traces).
-                for group in opt.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad = None
+                # dynamo traces); in C unless a parameter is a tensor subclass.
+                if not _C.clear_gradients(opt.param_groups):
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            if p.grad is not None:
+                                p.grad = None
                 return
             type(opt).zero_grad(opt, set_to_none)
             ext = ext_ref()
@@ -358,16 +361,21 @@ class MirroredExtended(StrategyExtended):
             self.aggregate_gradients(params)
         return type(optimizer).step(optimizer, closure)
 
-    def _gradient_plan(self, params: Sequence[torch.Tensor]) -> list[tuple[int, ReplicaSlot, Any]]:
+    def _gradient_plan(self, params: Sequence[torch.Tensor]) -> tuple[list[_PlanEntry], list[_PlanEntry]]:
         """``(index in params, slot, device)`` for each replicated parameter of ``params`` (first occurrence);
-        ``device`` is the parameter's device when every replica computes there (else None). Cached per
-        ``params`` list while it holds the same tensors and the replicated set is unchanged."""
+        ``device`` is the parameter's device when every replica computes there (else None). Two lists: the
+        entries ``_C.sum_replica_gradients`` may sum (the default reduction, every replica on the
+        parameter's CPU device), then the others. Cached per ``params`` list while it holds the same
+        tensors and the replicated set is unchanged."""
         slots = self._slots
         ids = [id(p) for p in params]
         cached = self._plans.get(id(params))
         if cached is not None and cached[0] == slots.generation and cached[1] == ids:
-            return cached[2]
-        plan: list[tuple[int, ReplicaSlot, Any]] = []
+            return cached[2], cached[3]
+        ops = self._cross_device_ops
+        local = type(ops) is ReductionToOneDevice and ops.reduce_to_device is None
+        in_c: list[_PlanEntry] = []
+        other: list[_PlanEntry] = []
         seen: set[int] = set()
         workers = self._worker_devices
         for i, p in enumerate(params):
@@ -376,14 +384,30 @@ class MirroredExtended(StrategyExtended):
                 continue
             seen.add(id(p))
             device = p.device
-            plan.append((i, slot, device if len(workers) > 1 and all(d == device for d in workers) else None))
+            on_device = len(workers) > 1 and all(d == device for d in workers)
+            entry = (i, slot, device if on_device else None)
+            (in_c if local and on_device and device.type == "cpu" else other).append(entry)
         if len(self._plans) >= 16:
             self._plans.clear()
-        self._plans[id(params)] = (slots.generation, ids, plan)
-        return plan
+        self._plans[id(params)] = (slots.generation, ids, in_c, other)
+        return in_c, other
 
     def aggregate_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """Sets each replicated parameter's ``.grad`` to the SUM of its replicas' gradients."""
+        if type(params) is not list:
+            params = list(params)
+        in_c, plan = self._gradient_plan(params)
+        if in_c:
+            # Float32/float64 CPU gradients: summed in C (csrc/cpu/replica_grads.cpp); what it leaves
+            # (other dtypes, non-contiguous gradients, a replica without one, ...) is summed below.
+            left = _C.sum_replica_gradients(params, in_c)
+            if left is None:  # a new tensor where a dead one was (same id): plan anew
+                self._plans.clear()
+                return self.aggregate_gradients(params)
+            if left:
+                plan = left + plan
+        if not plan:
+            return
         ops = self._cross_device_ops
         # The default reduction with every replica on the parameter's device (replicas on one device, as on
         # CPU): float32/float64 gradients are summed in one foreach call per replica, without building
@@ -394,9 +418,10 @@ class MirroredExtended(StrategyExtended):
         fast: list[tuple[torch.Tensor, ReplicaSlot]] = []
         columns: list[list[torch.Tensor]] = [[] for _ in range(n)]
         rest: list[tuple[torch.Tensor, ReplicaSlot]] = []
-        for i, slot, device in self._gradient_plan(params):
+        for i, slot, device in plan:
             p = params[i]
-            if slot.ref() is not p:  # a new tensor where a dead one was (same id): plan anew
+            held = slot.ref()
+            if held is None or held is not p:  # a new tensor where a dead one was (same id): plan anew
                 self._plans.clear()
                 return self.aggregate_gradients(params)
             grads = slot.grads
