@@ -26,7 +26,8 @@
 //       if slot.ref() is not p: return None            # the plan is stale: the caller plans anew
 //       if p and every slot.grads[k] are CPU float32/float64 strided tensors of one dtype and shape,
 //          the gradients contiguous and outside autograd (requires_grad False):
-//           total = ((g0 + g1) + g2) + ...             # in the gradients' dtype, element by element
+//           total = ((g0 + g1) + g2) + ...             # in the gradients' dtype, element by element,
+//                                                      # into g0 itself (see in_place below)
 //           p.grad = total; slot.grads = [total, None, ...]   (in place: the list object stays)
 //       else: rest.append(entry)                       # the caller sums these as before
 //   return rest
@@ -97,6 +98,18 @@ bool fits(const at::Tensor& p, PyObject* grads, Item* item) {
       return false;
     }
     item->grads.push_back(t);
+  }
+  return true;
+}
+
+// Whether replica 0's gradient may take the sum in place: what one device does, whose later backward
+// passes accumulate into the existing .grad in place (torch's AccumulateGrad, `grad += new`), unless
+// another replica's gradient shares its memory or it is an inference tensor (no version counter to bump).
+bool in_place(const Item& item) {
+  const at::Tensor& g0 = item.grads[0];
+  if (g0.is_inference()) return false;
+  for (size_t k = 1; k < item.grads.size(); ++k) {
+    if (item.grads[k].is_alias_of(g0)) return false;
   }
   return true;
 }
@@ -264,7 +277,10 @@ py::object sum_replica_gradients(py::list params, py::list plan) {
     elements += item.param.numel();
     items.push_back(std::move(item));
   }
-  for (Item& item : items) item.total = at::empty_like(item.grads[0], at::MemoryFormat::Contiguous);
+  for (Item& item : items) {
+    const at::Tensor& g0 = item.grads[0];
+    item.total = in_place(item) ? g0 : at::empty_like(g0, at::MemoryFormat::Contiguous);
+  }
   if (elements >= kReleaseGilElements) {
     py::gil_scoped_release release;
     for (Item& item : items) sum_into(item);
@@ -275,9 +291,13 @@ py::object sum_replica_gradients(py::list params, py::list plan) {
     item.param.mutable_grad() = item.total;
     PyObject* list = item.grads_list.ptr();
     const Py_ssize_t n = PyList_GET_SIZE(list);
-    PyObject* total = THPVariable_Wrap(item.total);
-    if (total == nullptr) throw py::error_already_set();
-    if (PyList_SetItem(list, 0, total) < 0) throw py::error_already_set();  // steals `total`
+    if (item.total.is_same(item.grads[0])) {
+      item.total.unsafeGetTensorImpl()->bump_version();  // written in place, as add_ would
+    } else {
+      PyObject* total = THPVariable_Wrap(item.total);
+      if (total == nullptr) throw py::error_already_set();
+      if (PyList_SetItem(list, 0, total) < 0) throw py::error_already_set();  // steals `total`
+    }
     for (Py_ssize_t k = 1; k < n; ++k) {
       Py_INCREF(Py_None);
       if (PyList_SetItem(list, k, Py_None) < 0) throw py::error_already_set();

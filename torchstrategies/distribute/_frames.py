@@ -1,8 +1,8 @@
 """Whether a ``merge_call`` is the last thing a replica function does (``mirrored_run``'s shortcut).
 
 ``ends_replica_fn(fn, frame)`` (made by ``replica_fn_check``) looks at the Python frames between a
-merge_call and the replica function ``fn`` that ``_Replica.call`` called, at the bytecode each will
-execute next:
+merge_call and the replica function ``fn`` that the scheduler called in its own thread
+(``mirrored_run.call_for_each_replica``), at the bytecode each will execute next:
 
 * every frame in between returns the merge_call's value as it is (``return ctx.merge_call(...)``, as
   ``optimizer.step()`` under a strategy, ``ReplicaContext.merge_call`` and the strategy's ``_merge_call``
@@ -87,7 +87,7 @@ def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool | str:
 
 def replica_fn_check(caller: CodeType) -> Callable[[Any, FrameType | None], bool]:
     """``ends_replica_fn(fn, frame)`` for replica functions called by the code ``caller``
-    (``_Replica.call``): whether the merge_call made in ``frame`` (the frame that called the scheduler's
+    (``call_for_each_replica``): whether the merge_call made in ``frame`` (the frame that called the scheduler's
     merge_call entry point) is ``fn``'s last act. The frame walk and its cache are in C
     (``_C.FrameCheck``, csrc/cpu/frame_check.cpp); a local named by ``return <local>.detach()`` must hold
     exactly a ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override those methods)."""

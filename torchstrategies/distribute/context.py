@@ -84,6 +84,11 @@ def pop_mode(mode: _Mode) -> None:
     _state.stack.pop()
 
 
+def mode_stack() -> list[_Mode]:
+    """This thread's stack of modes itself (the scheduler's hot path pushes and pops on it directly)."""
+    return _state.stack
+
+
 def stack_depth() -> int:
     return len(_state.stack)
 

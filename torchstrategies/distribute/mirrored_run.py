@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from torchstrategies.distribute._frames import replica_fn_check
-from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
+from torchstrategies.distribute.context import _Mode, mode_stack, pop_mode, push_mode
 from torchstrategies.distribute.distribute_lib import ReplicaContext
-from torchstrategies.distribute.values import _component, _nested, regroup, select_replica
+from torchstrategies.distribute.values import DistributedValues, PerReplica, _nested, regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
 
 __all__ = [
@@ -178,10 +178,14 @@ class _Replica:
     merge_result: Any = None
     waiting = False  # arrived at a merge_call that has not run yet
 
-    def __init__(self, run: _Run, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict):
+    kwargs: dict = {}  # (only ever replaced, never mutated)  # noqa: RUF012
+
+    def __init__(self, run: _Run, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict | None = None):
         self.run = run
         self.index = index
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.fn, self.args = fn, args
+        if kwargs:
+            self.kwargs = kwargs
 
     def call(self) -> None:
         """Runs ``fn`` in this replica's context in the current thread (whose torch state is set)."""
@@ -215,11 +219,6 @@ class _Replica:
             self.exc = e
         finally:
             _local.replica = None
-
-
-# Whether a merge_call is the last act of the replica function (distribute/_frames.py): then the replica may
-# end at once, and the merge run when the last replica arrives (no worker thread).
-_ends_replica_fn = replica_fn_check(_Replica.call.__code__)
 
 
 class _Worker(threading.Thread):
@@ -273,8 +272,12 @@ class _Pool:
 
 _pool = _Pool()
 
-_local = threading.local()  # .replica: the replica this thread runs now (calling thread or worker)
-_acting = threading.local()  # .replica: the replica this thread communicates for (``acting_for``)
+class _ThreadReplica(threading.local):
+    replica: _Replica | None = None  # (a class default: reading it in a fresh thread raises nothing)
+
+
+_local = _ThreadReplica()  # .replica: the replica this thread runs now (calling thread or worker)
+_acting = _ThreadReplica()  # .replica: the replica this thread communicates for (``acting_for``)
 
 
 @contextlib.contextmanager
@@ -286,7 +289,7 @@ def acting_for(replica: Any) -> Iterator[None]:
     Raises:
         RuntimeError: that replica has finished (its ``run`` is over).
     """
-    previous = getattr(_acting, "replica", None)
+    previous = _acting.replica
     if isinstance(replica, _Replica):
         if replica.done or replica.stop or replica.run.over:
             raise RuntimeError(
@@ -305,13 +308,13 @@ def acting_for(replica: Any) -> Iterator[None]:
 def capture_replica_thread() -> Any:
     """What ``acting_for`` needs to act for the replica running in this thread now (the thread itself
     when it runs no replica of an in-process strategy)."""
-    r = getattr(_local, "replica", None)
+    r = _local.replica
     return r if r is not None else threading.current_thread()
 
 
 def current_replica() -> _Replica | None:
     """The replica this thread runs (or acts for) now, of an in-process ``run`` (None: none, or in a merge)."""
-    return getattr(_acting, "replica", None) or getattr(_local, "replica", None)
+    return _acting.replica or _local.replica
 
 
 
@@ -344,7 +347,7 @@ def merge_call_in_replica_thread(
     r.merge_fn, r.merge_args, r.merge_kwargs = merge_fn, args, kwargs
     r.waiting = True
     run.arrived += 1
-    inline = r.worker is None and getattr(_acting, "replica", None) is None  # fn's own frames are above
+    inline = r.worker is None and _acting.replica is None  # fn's own frames are above
     if run.arrived == run.n:
         # The replica view comes back after the merge unless nothing of fn runs after it.
         _merge_here(run, r, not (inline and _ends_replica_fn(r.fn, sys._getframe(1))))
@@ -465,7 +468,7 @@ def _merge(run: _Run) -> None:
             merge_kwargs = regroup([q.merge_kwargs for q in replicas])
             break
     mode = run.modes[run.n]  # cross-replica context
-    local, acting = getattr(_local, "replica", None), getattr(_acting, "replica", None)
+    local, acting = _local.replica, _acting.replica
     _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
     grad = torch.is_grad_enabled()
     _set_grad_enabled(run.ts.grad)  # the caller's grad mode, as if the merge ran in its thread
@@ -481,8 +484,7 @@ def _merge(run: _Run) -> None:
     single = run.n == 1 or result is None or type(result) in _SHARED_RESULTS
     for i, r in enumerate(replicas):
         r.merge_result = result if single else select_replica(i, result)
-        r.merge_fn, r.merge_args, r.merge_kwargs = None, (), {}
-        r.waiting = False
+        r.merge_fn, r.merge_args, r.merge_kwargs, r.waiting = None, (), {}, False
 
 
 def call_for_each_replica(
@@ -507,41 +509,43 @@ def call_for_each_replica(
     """
     n = len(strategy._extended._worker_devices)  # the local replicas
     run = _Run(strategy, n, slots, TorchState())
-    if (
-        type(args) is tuple
-        and type(kwargs) is dict
-        and not kwargs
-        and not any(_nested(a) for a in args)
-    ):
-        run.replicas = [
-            _Replica(run, i, fn, tuple([_component(a, i) for a in args]), {}) for i in range(n)
-        ]
+    per_replica = _flat_arguments(args, kwargs, n)
+    if per_replica is not None:
+        run.replicas = [_Replica(run, i, fn, per_replica[i]) for i in range(n)]
     else:
-        run.replicas = [
-            _Replica(run, i, fn, *select_replica(i, (args, kwargs))) for i in range(n)
-        ]
+        run.replicas = [_Replica(run, i, fn, *select_replica(i, (args, kwargs))) for i in range(n)]
     if timeout is not None:
         return _run_on_workers(run, timeout)
     grad = run.ts.grad
-    previous = getattr(_local, "replica", None)
+    previous = _local.replica
+    modes = run.modes
+    stack = mode_stack()  # (push_mode / pop_mode, inline)
     try:
-        for i in range(n):
-            r = run.replicas[i]
+        for r in run.replicas:
+            i = r.index
             if i == 0 or not run.threaded:  # in this thread, its slots view swapped in around it
                 if i:
                     _set_grad_enabled(grad)  # what replica 0 left behind does not reach replica i
                 _local.replica = r
                 if slots is not None and slots.active_index != i:  # (handed over by replica i-1)
                     slots.activate(i)
-                try:
-                    r.call()
+                mode = modes[i]
+                stack.append(mode)
+                try:  # (what r.call() does; inline, as ``_ends_replica_fn`` expects: fn called from here)
+                    r.result = fn(*r.args, **r.kwargs)
                 except BaseException:
+                    pop_mode(mode)
                     if slots is not None:
                         slots.deactivate()
                     _local.replica = previous
                     if run.error is not None:
                         raise run.error from None
                     raise
+                if stack[-1] is mode:
+                    stack.pop()
+                else:
+                    pop_mode(mode)  # (raises: fn left a context open)
+                r.done = True
                 if slots is not None:
                     if i + 1 < n and not run.threaded:
                         slots.hand_over(i + 1)  # replica i's view out, replica i+1's in, in one pass
@@ -565,7 +569,41 @@ def call_for_each_replica(
         if slots is not None:
             slots.deactivate()  # (replica i+1's view, handed over before an error stopped the run)
             slots.fold_buffers()
-    return regroup([r.result for r in run.replicas])
+    return _results(run)
+
+
+def _results(run: _Run) -> Any:
+    """The replicas' results, regrouped; the run lets go of its replicas (each holds the run: no cycle is
+    left for the garbage collector, which a cycle per step would make run every few steps)."""
+    replicas = run.replicas
+    run.replicas = []
+    results = [r.result for r in replicas]
+    if results[0] is None and results.count(None) == len(results):
+        return None  # (what regroup returns, without its walk)
+    return regroup(results)
+
+
+# Whether a merge_call is the last act of a replica function that call_for_each_replica called in its own
+# thread (distribute/_frames.py): then the replica may end at once, and the merge run when the last replica
+# arrives (no worker thread).
+_ends_replica_fn = replica_fn_check(call_for_each_replica.__code__)
+
+
+def _flat_arguments(args: Any, kwargs: Any, n: int) -> list[tuple] | None:
+    """Each replica's positional arguments when there are no keyword arguments and no argument is a
+    container (a DistributedValues gives each replica its component, anything else is shared); None
+    otherwise (``select_replica`` walks the structure)."""
+    if type(args) is not tuple or type(kwargs) is not dict or kwargs:
+        return None
+    columns = []
+    for a in args:
+        if type(a) is PerReplica and len(a._values) == n:  # the usual: a distributed batch
+            columns.append(a._values)
+        elif isinstance(a, DistributedValues) or _nested(a):
+            return None  # (one of another size raises in select_replica; a container is walked)
+        else:
+            columns.append((a,) * n)
+    return list(zip(*columns, strict=True)) if columns else [()] * n
 
 
 def _run_on_workers(run: _Run, timeout: float | None) -> Any:
@@ -589,7 +627,7 @@ def _run_on_workers(run: _Run, timeout: float | None) -> Any:
         _finish(run)
         if run.slots is not None:
             run.slots.fold_buffers()
-    return regroup([r.result for r in replicas])
+    return _results(run)
 
 
 def _finish(run: _Run) -> None:

@@ -37,8 +37,9 @@ from torchstrategies.distribute.cross_device_ops import (
 )
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
 from torchstrategies.distribute.mirrored_run import (
+    _acting,
+    _local,
     call_for_each_replica,
-    current_replica,
     in_replica_thread,
     merge_call_in_replica_thread,
 )
@@ -290,7 +291,7 @@ class MirroredExtended(StrategyExtended):
             if (
                 set_to_none is True
                 and type(opt).zero_grad is _TORCH_ZERO_GRAD
-                and in_replica_thread()
+                and (_acting.replica or _local.replica) is not None  # (in_replica_thread(), inline)
                 and hasattr(opt, "_zero_grad_profile_name")
                 and not _profiler_enabled()
                 and not torch.compiler.is_compiling()
@@ -318,7 +319,8 @@ class MirroredExtended(StrategyExtended):
             ext = ext_ref()
             if ext is None:
                 return type(opt).step(opt, closure)
-            replica = current_replica()  # a replica of a scheduled run (replica context, by construction)
+            replica = _acting.replica or _local.replica  # (current_replica(), inline): a replica of a scheduled
+            # run (replica context, by construction)
             if replica is not None and replica.run.strategy._extended is ext:
                 if closure is not None:
                     raise ValueError(_STEP_CLOSURE)
