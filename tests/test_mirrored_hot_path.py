@@ -782,3 +782,39 @@ def test_a_new_parameter_at_a_dead_parameters_address_does_not_get_its_gradient(
     new.grad = torch.full((1, 1), 10.0)  # e.g. a backward in cross-replica context
     opt.step()  # no run since: `new` is not replicated (yet), its own gradient applies as on one device
     assert float(new.detach()) == -10.0
+
+
+def test_replica_zero_holding_its_gradient_sees_the_sum_as_on_one_device():
+    """On one device the second slice's backward accumulates into the .grad the first slice made, in
+    place, so a reference to it taken after the first backward ends up holding the sum. Replica 0's gradient
+    takes the replicas' sum the same way (csrc/cpu/replica_grads.cpp); the other replicas' are left alone."""
+    xs = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    ref_model = nn.Linear(4, 2).double()
+    held_ref = []
+    for k in range(2):  # one device, two slices, one step's gradient
+        ref_model(xs[k]).pow(2).sum().backward()
+        if k == 0:
+            held_ref = [p.grad for p in ref_model.parameters()]
+    assert all(h is p.grad for h, p in zip(held_ref, ref_model.parameters(), strict=True))
+
+    s = ts.MirroredStrategy(num_replicas=2)
+    with s.scope():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step only sums
+    held: dict[int, list[torch.Tensor]] = {}
+    copies: dict[int, list[torch.Tensor]] = {}
+
+    def fn():
+        opt.zero_grad()
+        model(xs[_rid()]).pow(2).sum().backward()
+        held[_rid()] = [p.grad for p in model.parameters()]
+        copies[_rid()] = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+
+    s.run(fn)
+    for p, h0, h1, c1, r in zip(model.parameters(), held[0], held[1], copies[1], held_ref, strict=True):
+        assert h0 is p.grad  # replica 0's gradient object holds the sum, as the one-device .grad
+        assert torch.equal(p.grad, r)
+        assert torch.equal(h1, c1)  # replica 1's gradient is not written
