@@ -507,6 +507,9 @@ def _plain_model(param: str = "plain") -> nn.Module:
     w = model[0].weight.detach()
     if param == "parameter_subclass":
         model[0].weight = _TaggedParameter(w.clone())
+    elif param == "tensor_subclass":  # not registered as a parameter: the optimizer gets it (_Training)
+        del model[0].weight
+        model[0].weight = torch.Tensor._make_subclass(_Sub, w.clone(), True)
     elif param == "transposed":  # a non-contiguous parameter: torch gives it gradients of its own strides
         model[0].weight = nn.Parameter(w.t().contiguous().t())
         assert not model[0].weight.is_contiguous()
@@ -521,7 +524,10 @@ class _Training:
         self.create_graph = create_graph
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             self.model = _plain_model(param)
-            self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
+            self.tensors = list(self.model.parameters())
+            if param == "tensor_subclass":
+                self.tensors.insert(0, self.model[0].weight)
+            self.opt = torch.optim.SGD(self.tensors, lr=LR, momentum=0.9)
         self.threads: list[tuple[int, threading.Thread]] = []  # (replica, thread) as each replica starts
         self.finally_ran = 0
 
@@ -544,7 +550,7 @@ class _Training:
         self.opt.step()
 
     def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [p.detach().as_subclass(torch.Tensor).clone() for p in self.tensors]
 
 
 def _fns(t: _Training) -> dict[str, Callable[..., Any]]:
@@ -750,10 +756,11 @@ def test_c_paths_equal_their_python_fallbacks_bit_for_bit(monkeypatch, variant):
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("kind", ["parameter_subclass", "transposed", "create_graph"])
+@pytest.mark.parametrize("kind", ["tensor_subclass", "parameter_subclass", "transposed", "create_graph"])
 def test_parameters_and_gradients_the_c_paths_leave_to_python_train_like_one_device(kind, n):
-    """A Parameter subclass (zero_grad and the swap in Python), a non-contiguous parameter (its gradients are
-    too: the sum in Python) and create_graph gradients (requiring grad: the sum in Python)."""
+    """A tensor subclass and a Parameter subclass (zero_grad and the swap in Python), a non-contiguous
+    parameter (so are its gradients: the sum in Python) and create_graph gradients (requiring grad: the sum
+    in Python)."""
     param = kind if kind != "create_graph" else "plain"
     final = []
     for strategy in (None, ts.MirroredStrategy(num_replicas=n)):
@@ -764,8 +771,9 @@ def test_parameters_and_gradients_the_c_paths_leave_to_python_train_like_one_dev
                 t.method(*_batch(k))
             else:
                 strategy.run(t.method, args=_split(strategy, *_batch(k)))
-        if kind == "parameter_subclass":
-            assert type(t.model[0].weight) is _TaggedParameter
+        if kind in ("tensor_subclass", "parameter_subclass"):
+            assert type(t.model[0].weight) is (_Sub if kind == "tensor_subclass" else _TaggedParameter)
+            assert t.model[0].weight is t.opt.param_groups[0]["params"][0]  # (optimized, first)
             assert _C.clear_gradients(t.opt.param_groups) is False
         if kind == "transposed":
             assert not t.model[0].weight.grad.is_contiguous()
