@@ -468,18 +468,34 @@ def test_frame_check_walks_at_most_max_depth_frames_each_of_which_must_pass_the_
 
 @pytest.mark.parametrize(
     ("local", "want"),
-    [("tensor", True), ("parameter", True), ("subclass", False), ("missing", False), ("int", False)],
+    [
+        ("computed", True),
+        ("computed_view", False),
+        ("leaf_tensor", False),
+        ("parameter", False),
+        ("subclass", False),
+        ("missing", False),
+        ("int", False),
+    ],
 )
-def test_frame_check_accepts_a_named_local_only_when_it_is_exactly_a_tensor_or_parameter(local, want):
+def test_frame_check_accepts_a_named_local_only_when_it_is_a_computed_tensor(local, want):
+    """``return <local>.detach()`` and the like end the replica function only when the local is exactly a
+    Tensor that autograd computed (a grad_fn) with memory of its own: a leaf (a parameter, a gradient, an
+    optimizer state) or a view may be written in place by the merge."""
     check = _C.FrameCheck(_caller.__code__, lambda code, lasti, drops: "loss" if drops else True, 12)
+    w = nn.Parameter(torch.ones(2))
 
     def fn() -> bool:
-        if local == "tensor":
-            loss: Any = torch.ones(1)
+        if local == "computed":
+            loss: Any = w * 2
+        elif local == "computed_view":
+            loss = w[0]
+        elif local == "leaf_tensor":
+            loss = torch.ones(1)
         elif local == "parameter":
-            loss = nn.Parameter(torch.ones(1))
+            loss = w
         elif local == "subclass":
-            loss = torch.ones(1).as_subclass(_Sub)
+            loss = (w * 2).as_subclass(_Sub)
         elif local == "int":
             loss = 1  # noqa: F841  (read by the frame check, through the frame's locals)
         return check(fn, sys._getframe(0))  # (for "missing", ``loss`` is never bound)
@@ -785,18 +801,12 @@ def test_parameters_and_gradients_the_c_paths_leave_to_python_train_like_one_dev
         _close(got, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (distribute/_frames.py _RESULT_METHODS, checked by _C.FrameCheck): `return w.clone()` / "
-    "`w.item()` after the step counts as the replica function's end whenever the local `w` is exactly a "
-    "Tensor/Parameter, but the step writes `w` in place when it is a parameter; replicas 0..n-2 then return "
-    "the value from BEFORE the update ([0.0, -2.0] instead of the worker schedule's [-2.0, -2.0])",
-)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("method", ["clone", "item"])
+@pytest.mark.parametrize("method", ["clone", "item", "view_clone"])
 def test_returning_a_read_of_a_stepped_parameter_after_the_step_sees_the_update(method):
     """``return w.clone()`` / ``w.item()`` after ``optimizer.step()`` where the local ``w`` is a parameter the
-    step updates: as written, every replica reads the updated value (what the worker schedule returns)."""
+    step updates (or a view of one): as written, every replica reads the updated value (what the worker
+    schedule returns). (The calling-thread shortcut once took these as pure reads of a finished value.)"""
     out = []
     for timeout in (None, 30.0):  # 30.0: every replica on a worker (the reference schedule)
         s = ts.MirroredStrategy(num_replicas=2)
@@ -819,7 +829,13 @@ def test_returning_a_read_of_a_stepped_parameter_after_the_step_sees_the_update(
             opt.step()
             return w.item()
 
-        fn = clone if method == "clone" else item
+        def view_clone(lin=lin, opt=opt):
+            w = lin.weight[0]  # a view (with a grad_fn) of the parameter
+            lin(torch.ones(1, 1, dtype=F64)).sum().backward()
+            opt.step()
+            return w.clone()
+
+        fn = {"clone": clone, "item": item, "view_clone": view_clone}[method]
         results = s.experimental_local_results(s.run(fn))
         out.append([v if isinstance(v, float) else float(v.detach()) for v in results])
     assert out[1] == [-2.0, -2.0]  # the sum of the replicas' gradients (1 + 1), applied once

@@ -7,7 +7,8 @@
 // caller is _Replica.call), at most `max_depth` frames. For each frame, the answer for its code and
 // current instruction offset comes from a cache, filled on a miss by `passes_through(code, lasti,
 // drops)` (Python: it disassembles the code once): True/False, or for the replica function's frame the
-// name of a local whose value must be exactly a torch.Tensor or nn.Parameter (`return loss.detach()`).
+// name of a local whose value must be exactly a torch.Tensor with a grad_fn, not a view (`return
+// loss.detach()`).
 // The cache holds the code objects of its keys, so an address cannot be reused by another code object
 // while it is cached. Each call runs with the GIL held; `passes_through` may run other threads meanwhile,
 // so nothing of the cache is held across it.
@@ -56,7 +57,7 @@ class FrameCheck {
             reinterpret_cast<PyObject*>(PyFrame_GetCode(reinterpret_cast<PyFrameObject*>(back.ptr()))));
         if (bcode.ptr() == caller_.ptr()) {
           py::object answer = lookup(fcode, lasti, true);
-          if (PyUnicode_Check(answer.ptr())) {  // return <local>.detach() etc.: only of a plain tensor
+          if (PyUnicode_Check(answer.ptr())) {  // return <local>.detach() etc.: only of a computed tensor
             py::object locals = py::reinterpret_steal<py::object>(PyFrame_GetLocals(fo));
             if (!locals) throw py::error_already_set();
             PyObject* value = PyObject_GetItem(locals.ptr(), answer.ptr());
@@ -65,9 +66,16 @@ class FrameCheck {
               PyErr_Clear();
               return false;
             }
-            const bool plain = THPVariable_CheckExact(value);
+            // Exactly a Tensor computed by autograd (a grad_fn: the loss) with memory of its own (not a
+            // view), which a merge never writes; not a parameter, gradient or state tensor, or a view of
+            // one, which the optimizer's step updates in place.
+            bool computed = false;
+            if (THPVariable_CheckExact(value)) {
+              const at::Tensor& t = THPVariable_Unpack(value);
+              computed = t.grad_fn() != nullptr && !t.is_view();
+            }
             Py_DECREF(value);
-            return plain;
+            return computed;
           }
           return PyObject_IsTrue(answer.ptr()) == 1;
         }

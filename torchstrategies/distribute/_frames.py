@@ -10,9 +10,11 @@ merge_call and the replica function ``fn`` that the scheduler called in its own 
 * ``fn`` itself drops that value, then returns a constant or a local variable (``optimizer.step()`` as
   its last statement, or followed by ``return loss``: reading a local runs no code), or returns
   ``<local>.detach()`` / ``.item()`` / ``.clone()`` / ``.cpu()`` of a local that is a ``torch.Tensor``
-  when the merge_call is made (``return loss.detach()``: those read the tensor the replica computed
-  before the merge_call and nothing the merge changes, so running them before the merge, as the
-  shortcut does, returns what running them after it would),
+  computed by autograd (it has a ``grad_fn``) and not a view when the merge_call is made (``return
+  loss.detach()``: those read the tensor the replica computed before the merge_call, which the merge
+  does not write, so running them before the merge, as the shortcut does, returns what running them
+  after it would; a parameter, gradient or optimizer state, or a view of one, which the step updates in
+  place, takes the general schedule),
 * with no ``try``/``with`` block around any of those calls (an exception the merge raises would then
   reach code of the replica), on Python 3.11+ (where the exception table says so).
 
@@ -90,7 +92,7 @@ def replica_fn_check(caller: CodeType) -> Callable[[Any, FrameType | None], bool
     (``call_for_each_replica``): whether the merge_call made in ``frame`` (the frame that called the scheduler's
     merge_call entry point) is ``fn``'s last act. The frame walk and its cache are in C
     (``_C.FrameCheck``, csrc/cpu/frame_check.cpp); a local named by ``return <local>.detach()`` must hold
-    exactly a ``torch.Tensor`` or ``nn.Parameter`` (a subclass may override those methods)."""
+    exactly a ``torch.Tensor`` (a subclass may override those methods) with a ``grad_fn``, not a view."""
     if not _SUPPORTED or not _C.FRAME_CHECK_SUPPORTED:
         return lambda fn, frame: False
     return cast(Callable[[Any, Any], bool], _C.FrameCheck(caller, _passes_through, _MAX_DEPTH))

@@ -458,7 +458,7 @@ def _merge(run: _Run) -> None:
     strategy = run.strategy
     run.arrived = 0
     run.deferred = 0
-    if run.slots is not None:
+    if run.slots is not None and run.slots.buffers_dirty:
         run.slots.fold_buffers()
     merge_args: Any = ()
     merge_kwargs: Any = {}
@@ -472,13 +472,17 @@ def _merge(run: _Run) -> None:
     _local.replica = _acting.replica = None  # cross-replica context, even in a replica's thread
     grad = torch.is_grad_enabled()
     _set_grad_enabled(run.ts.grad)  # the caller's grad mode, as if the merge ran in its thread
-    push_mode(mode)
+    stack = mode_stack()
+    stack.append(mode)  # (push_mode)
     try:
         merge_fn = replicas[0].merge_fn
         assert merge_fn is not None
         result = merge_fn(strategy, *merge_args, **merge_kwargs)
     finally:
-        pop_mode(mode)
+        if stack and stack[-1] is mode:
+            stack.pop()
+        else:
+            pop_mode(mode)  # (raises: the merge function left a context open)
         _set_grad_enabled(grad)
         _local.replica, _acting.replica = local, acting
     single = run.n == 1 or result is None or type(result) in _SHARED_RESULTS
@@ -549,7 +553,7 @@ def call_for_each_replica(
                 if slots is not None:
                     if i + 1 < n and not run.threaded:
                         slots.hand_over(i + 1)  # replica i's view out, replica i+1's in, in one pass
-                    else:
+                    elif slots.active_index is not None:  # (not after a merge that ended fn)
                         slots.deactivate()
                 _local.replica = previous
             elif not r.done:
@@ -567,8 +571,10 @@ def call_for_each_replica(
         if run.threaded:
             _finish(run)
         if slots is not None:
-            slots.deactivate()  # (replica i+1's view, handed over before an error stopped the run)
-            slots.fold_buffers()
+            if slots.active_index is not None:
+                slots.deactivate()  # (replica i+1's view, handed over before an error stopped the run)
+            if slots.buffers_dirty:
+                slots.fold_buffers()
     return _results(run)
 
 

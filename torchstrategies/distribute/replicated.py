@@ -99,7 +99,7 @@ class ReplicaSlots:
         self.active_index: int | None = None  # the replica whose view is swapped in (None: cross-replica)
         self._grads_only = False  # the active replica's view differs from the primaries in gradients only
         self._params_only = False  # every swapped tensor is a parameter (no buffers): _C.swap_gradients may swap
-        self._buffers_dirty = False
+        self.buffers_dirty = False  # a replica may have written a buffer copy since the last fold
         self._key: tuple[list[int], list[int]] | None = None  # what ``refresh`` last saw
         self.generation = 0  # bumped whenever the replicated set changes (plans built on it are stale)
 
@@ -183,7 +183,7 @@ class ReplicaSlots:
                 if i > 0 or t.device != device:
                     s.home_data = t.data
                     t.data = self._buffer_copy(s, t, i, device)
-                self._buffers_dirty = True
+                self.buffers_dirty = True
         self.active_index = i
         self._grads_only = grads_only
 
@@ -255,9 +255,9 @@ class ReplicaSlots:
     # -- cross-replica views ----------------------------------------------------------------------
     def fold_buffers(self) -> None:
         """Aggregates the replicas' buffer copies into the primaries (the ON_READ cross-replica value)."""
-        if not self._buffers_dirty:
+        if not self.buffers_dirty:
             return
-        self._buffers_dirty = False
+        self.buffers_dirty = False  # a replica may have written a buffer copy since the last fold
         with torch.no_grad():
             for s in self._active:
                 t = s.ref()

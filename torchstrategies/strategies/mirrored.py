@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
 from torchstrategies._ext import _C
 from torchstrategies.distribute import context
+from torchstrategies.distribute.context import _Mode
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
     ReductionToOneDevice,
@@ -370,7 +371,7 @@ class MirroredExtended(StrategyExtended):
         parameter's CPU device), then the others. Cached per ``params`` list while it holds the same
         tensors and the replicated set is unchanged."""
         slots = self._slots
-        ids = [id(p) for p in params]
+        ids = list(map(id, params))
         cached = self._plans.get(id(params))
         if cached is not None and cached[0] == slots.generation and cached[1] == ids:
             return cached[2], cached[3]
@@ -537,6 +538,36 @@ class MirroredStrategy(Strategy):
         if devices is None:
             devices = _default_devices()
         super().__init__(MirroredExtended(devices, cross_device_ops))
+        self._run_mode = _Mode(self, None, self, is_default=False)  # the cross-replica mode around run
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
+        """``Strategy.run`` (which see). Called outside any scope with a tuple of arguments (the usual
+        training loop), it does what ``with self.scope():`` does around the call (cross-replica mode, the
+        scope depth, modules made in scope handed over before and after) without that context's per-call
+        objects."""
+        if kwargs or type(args) is not tuple or context.mode_stack() or not callable(fn):
+            return super().run(fn, args, kwargs, options)
+        ext = self._extended
+        mode = self._run_mode
+        context.push_mode(mode)
+        with ext._lock:
+            ext._scope_depth += 1
+        try:
+            ext._flush_created()
+            return ext._call_for_each_replica(fn, args, {})
+        finally:
+            context.pop_mode(mode)
+            with ext._lock:
+                ext._scope_depth -= 1
+                outermost = ext._scope_depth == 0
+            if outermost:
+                ext._flush_created()
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(cast(MirroredExtended, self._extended)._device_names)!r})"
