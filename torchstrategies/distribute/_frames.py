@@ -89,8 +89,8 @@ def _passes_through(code: CodeType, lasti: int, drops: bool) -> bool | str:
 
 def replica_fn_check(caller: CodeType) -> Callable[[Any, FrameType | None], bool]:
     """``ends_replica_fn(fn, frame)`` for replica functions called by the code ``caller``
-    (``call_for_each_replica``): whether the merge_call made in ``frame`` (the frame that called the scheduler's
-    merge_call entry point) is ``fn``'s last act. The frame walk and its cache are in C
+    (``call_for_each_replica``): whether the merge_call made in ``frame`` (the frame that called the
+    scheduler's merge_call entry point) is ``fn``'s last act. The frame walk and its cache are in C
     (``_C.FrameCheck``, csrc/cpu/frame_check.cpp); a local named by ``return <local>.detach()`` must hold
     exactly a ``torch.Tensor`` (a subclass may override those methods) with a ``grad_fn``, not a view."""
     if not _SUPPORTED or not _C.FRAME_CHECK_SUPPORTED:

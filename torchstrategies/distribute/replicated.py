@@ -257,7 +257,7 @@ class ReplicaSlots:
         """Aggregates the replicas' buffer copies into the primaries (the ON_READ cross-replica value)."""
         if not self.buffers_dirty:
             return
-        self.buffers_dirty = False  # a replica may have written a buffer copy since the last fold
+        self.buffers_dirty = False
         with torch.no_grad():
             for s in self._active:
                 t = s.ref()

@@ -320,8 +320,8 @@ class MirroredExtended(StrategyExtended):
             ext = ext_ref()
             if ext is None:
                 return type(opt).step(opt, closure)
-            replica = _acting.replica or _local.replica  # (current_replica(), inline): a replica of a scheduled
-            # run (replica context, by construction)
+            # current_replica(), inline: a replica of a scheduled run (replica context, by construction)
+            replica = _acting.replica or _local.replica
             if replica is not None and replica.run.strategy._extended is ext:
                 if closure is not None:
                     raise ValueError(_STEP_CLOSURE)
