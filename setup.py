@@ -8,12 +8,19 @@ installed torch has CUDA (``torch.version.cuda``) and a CUDA toolkit is found (C
 Compile flags are portable (-O3, no -march): the hot loops carry GCC ``target_clones`` so one binary
 runs on any x86-64 and picks AVX2/AVX-512 at load time. ``TORCHSTRATEGIES_NATIVE=1`` adds
 ``-march=native`` for a build that will only run on this CPU.
+
+On Linux the C++ sources compile with ``-fopenmp``: ``at::parallel_for`` is a header template whose
+thread split (ATen/ParallelOpenMP.h) exists only when ``_OPENMP`` is defined, so without the flag every
+``at::parallel_for`` in the extension runs on the calling thread. Nothing links an OpenMP runtime of its
+own: the ``GOMP_*`` / ``omp_*`` symbols resolve to the libgomp torch already loaded, so the split uses
+torch's intra-op pool and follows ``torch.set_num_threads``.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -46,6 +53,8 @@ def _sources(pattern: str) -> list[str]:
 def extensions() -> list:
     sources = _sources("csrc/*.cpp") + _sources("csrc/core/*.cpp") + _sources("csrc/cpu/*.cpp")
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    if sys.platform.startswith("linux"):
+        cxx.append("-fopenmp")  # at::parallel_for splits over torch's pool (see the module docstring)
     if os.environ.get("TORCHSTRATEGIES_NATIVE") == "1":
         cxx.append("-march=native")
     define_macros = []

@@ -1,21 +1,43 @@
 // CPU kernels for accumulate_n / tree_reduce / accumulate_: thin ATen glue around the torch-free loops
 // in csrc/core (reduce_kernels.h). Here we validate, make inputs contiguous, split the elements into
-// ranges for at::parallel_for, and hand raw pointers to core::reduce_range.
+// contiguous ranges over torch's intra-op pool (at::parallel_for), and hand each range's raw pointers to
+// the serial core::reduce_range.
+//
+// Threads: a tensor of at most kGrain elements is summed on the calling thread; a larger one is cut into
+// min(at::get_num_threads(), ceil(numel / kGrain)) contiguous ranges of equal length (the last shorter),
+// one per pool thread, so torch.set_num_threads decides. Called from inside a parallel region (another
+// at::parallel_for, an OpenMP thread) it runs on the calling thread. Every element is summed by the same
+// serial code in the same order whatever range holds it, so the result is bit-identical for every
+// thread count. (The shared-memory all-reduce calls core::reduce_range itself, on one thread: one rank
+// per core; see docs/kernels.md.)
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <pybind11/stl.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "checks.h"
 #include "core/reduce_kernels.h"
+#include "python_bindings.h"
 
 namespace torchstrategies {
 namespace {
 
-// Elements per parallel task: large enough that a task's start-up cost is amortized.
-constexpr int64_t kGrain = 32 * 1024;
+// Elements per parallel range at least: torch's own grain for elementwise ops (at::internal::GRAIN_SIZE
+// in ATen/TensorIterator.h), below which waking the pool costs more than a second thread saves.
+constexpr int64_t kGrain = 32768;
+
+// Runs fn(begin, end) over contiguous ranges that cover [0, numel), on torch's intra-op pool: the one
+// place the CPU kernels split their work (reduce_ranges below reports what it does).
+template <typename F>
+void for_each_range(int64_t numel, const F& fn) {
+  at::parallel_for(0, numel, kGrain, fn);
+}
 
 core::DType core_dtype(at::ScalarType t) {
   const auto d = kernel_dtype(t);
@@ -44,7 +66,7 @@ void reduce_into(core::Order order, at::TensorList tensors, std::optional<double
   for (int i = 0; i < n; ++i) ptrs[i] = static_cast<const char*>(ins[i].const_data_ptr());
   char* o = static_cast<char*>(dst.mutable_data_ptr());
   const core::DType dt = core_dtype(out.scalar_type());
-  at::parallel_for(0, numel, kGrain, [&](int64_t begin, int64_t end) {
+  for_each_range(numel, [&](int64_t begin, int64_t end) {
     std::vector<const void*> p(n);
     for (int i = 0; i < n; ++i) p[i] = ptrs[i] + begin * elem;
     core::reduce_range(order, dt, o + begin * elem, p.data(), n, end - begin, scale.has_value(),
@@ -89,7 +111,30 @@ void accumulate_inplace_cpu(at::Tensor dst, at::TensorList tensors) {
   reduce_into(core::Order::kSequential, all, std::nullopt, dst);
 }
 
+// _C.reduce_ranges(numel): the (begin, end, pool thread) ranges for_each_range cuts `numel` elements
+// into at the current torch thread count, sorted; it runs the split itself (no data is touched), so a
+// test can see the work spread over threads without timing anything.
+std::vector<std::tuple<int64_t, int64_t, int>> reduce_ranges(int64_t numel) {
+  TORCH_CHECK(numel >= 0, "reduce_ranges: numel must be >= 0, got ", numel);
+  std::mutex mu;
+  std::vector<std::tuple<int64_t, int64_t, int>> ranges;
+  for_each_range(numel, [&](int64_t begin, int64_t end) {
+    const int thread = at::get_thread_num();
+    std::lock_guard<std::mutex> lock(mu);
+    ranges.emplace_back(begin, end, thread);
+  });
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
 }  // namespace
+
+void init_reduce_bindings(pybind11::module_& m) {
+  m.def("reduce_ranges", &reduce_ranges, pybind11::arg("numel"),
+        "The (begin, end, thread) element ranges the CPU reduce kernels split numel elements into at "
+        "the current torch thread count.");
+  m.attr("REDUCE_GRAIN") = kGrain;
+}
 
 TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {
   m.impl("accumulate_n", &accumulate_n_cpu);
