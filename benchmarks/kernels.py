@@ -1,6 +1,8 @@
-"""Kernel benchmark CLI: ``python benchmarks/kernels.py [--small] [--json F] [--plot F.png] [--markdown]``.
+"""Kernel benchmark CLI: ``python benchmarks/kernels.py [--small] [--threads 1,2] [--json F] [--plot F.png]
+[--markdown]``.
 
-A thin wrapper around ``torchstrategies.bench.kernels.run`` (also ``torchstrategies bench kernels``).
+A thin wrapper around ``torchstrategies.bench.kernels.run`` (also ``torchstrategies bench kernels``). Every
+row is measured at 1 thread and at torch's default thread count unless ``--threads`` names others.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=_ints, default=[1 << 16, 1 << 20, 1 << 24],
                    help="comma-separated element counts (default 64K,1M,16M; 1<<20 works too)")
     p.add_argument("--repeats", type=int, default=15, help="timed rounds per case (median reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for every method (default: torch's)")
+    p.add_argument("--threads", type=_ints, default=None,
+                   help="comma-separated torch thread counts, every method at each (default: 1 and torch's)")
     p.add_argument("--small", action="store_true", help="quick run: N 2,4 and 4K/64K elements, 5 repeats")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="also draw GB/s vs N (needs matplotlib)")

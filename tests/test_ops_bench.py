@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
 
 from torchstrategies.bench import kernels
 from torchstrategies.bench.report import BenchResult
@@ -14,21 +16,60 @@ from torchstrategies.bench.report import BenchResult
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_run_returns_one_row_per_case_and_method() -> None:
-    r = kernels.run(ns=(2, 3), sizes=(1000, 4097), repeats=2, progress=False)
+def test_run_returns_one_row_per_thread_count_case_and_method() -> None:
+    before = torch.get_num_threads()
+    r = kernels.run(ns=(2, 3), sizes=(1000, 4097), repeats=2, progress=False, threads=(1, 3))
+    assert torch.get_num_threads() == before  # restored
     assert isinstance(r, BenchResult)
-    assert r.columns == ["N", "elements", "method", "median ms", "GB/s", "% of roofline", "speed-up vs add_ loop"]
-    assert len(r.rows) == 2 * 2 * len(kernels.METHODS)
+    assert r.columns == ["threads", "N", "elements", "method", "ms", "GB/s", "% roof",
+                         "x loop"]
+    assert len(r.rows) == 2 * 2 * 2 * len(kernels.METHODS)
     assert {row["method"] for row in r.rows} == set(kernels.METHODS)
+    assert [row["threads"] for row in r.rows] == [1] * (len(r.rows) // 2) + [3] * (len(r.rows) // 2)
+    assert r.meta["threads"] == [1, 3] and set(r.meta["roofline_gbps"]) == {1, 3}
+    loop_ms = {(row["threads"], row["N"], row["elements"]): row["ms"] for row in r.rows
+               if row["method"] == "add_ loop"}
     for row in r.rows:
         assert set(row) == set(r.columns)
-        assert row["median ms"] > 0 and row["GB/s"] > 0
-        gbps = (row["N"] + 1) * row["elements"] * 4 / (row["median ms"] / 1e3) / 1e9
+        assert row["ms"] > 0 and row["GB/s"] > 0
+        gbps = (row["N"] + 1) * row["elements"] * 4 / (row["ms"] / 1e3) / 1e9
         assert row["GB/s"] == pytest.approx(gbps)
-        assert row["% of roofline"] == pytest.approx(100 * row["GB/s"] / r.meta["roofline_gbps"][row["elements"]])
+        roof = r.meta["roofline_gbps"][row["threads"]][row["elements"]]  # the copy at the row's thread count
+        assert row["% roof"] == pytest.approx(100 * row["GB/s"] / roof)
+        key = (row["threads"], row["N"], row["elements"])
+        assert row["x loop"] == pytest.approx(loop_ms[key] / row["ms"])
         if row["method"] == "add_ loop":
-            assert row["speed-up vs add_ loop"] == 1.0
+            assert row["x loop"] == 1.0
     assert "| accumulate_n |" in r.markdown()
+
+
+def test_default_thread_counts_are_one_and_torchs_current() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert kernels.thread_counts() == [1, 3]
+        torch.set_num_threads(1)
+        assert kernels.thread_counts() == [1]
+    finally:
+        torch.set_num_threads(before)
+    assert kernels.thread_counts(2) == [2]
+    assert kernels.thread_counts([4, 1, 4]) == [4, 1]
+    for bad in ([], [0], 0, [1, -2]):
+        with pytest.raises(ValueError, match="threads must be one or more integers >= 1"):
+            kernels.thread_counts(bad)
+
+
+def test_cli_measures_every_row_at_each_thread_count(tmp_path: Path) -> None:
+    from torchstrategies.cli import main
+
+    out = tmp_path / "k.json"
+    args = ["bench", "kernels", "--n", "2", "--size", "1000", "--repeats", "1", "--threads", "1", "--threads",
+            "2", "--no-progress", "--json", str(out)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({(row["threads"], row["method"]) for row in rows}) == sorted(
+        (t, m) for t in (1, 2) for m in kernels.METHODS)
 
 
 def test_run_rejects_empty_arguments() -> None:
@@ -38,7 +79,7 @@ def test_run_rejects_empty_arguments() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    r = kernels.run(ns=(2,), sizes=(1000,), repeats=1, progress=False)
+    r = kernels.run(ns=(2,), sizes=(1000,), repeats=1, progress=False, threads=(1, 2))
     path = tmp_path / "k.png"
     kernels.plot(r, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -48,8 +89,8 @@ def test_cli_script_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     import runpy
 
     out = tmp_path / "k.json"
-    argv = ["kernels.py", "--ns", "2", "--sizes", "1000", "--repeats", "1", "--no-progress", "--markdown",
-            "--json", str(out)]
+    argv = ["kernels.py", "--ns", "2", "--sizes", "1000", "--repeats", "1", "--threads", "1,2", "--no-progress",
+            "--markdown", "--json", str(out)]
     old = sys.argv
     try:
         sys.argv = argv
@@ -57,5 +98,21 @@ def test_cli_script_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     finally:
         sys.argv = old
     data = json.loads(out.read_text())
-    assert len(data["rows"]) == len(kernels.METHODS)
+    assert len(data["rows"]) == 2 * len(kernels.METHODS)
+    assert {row["threads"] for row in data["rows"]} == {1, 2}
     assert "| add_ loop |" in capsys.readouterr().out
+
+
+def test_compare_races_the_kernels_at_one_thread_count() -> None:
+    from torchstrategies.cli.compare import _at_one_thread_count, advice
+
+    # At 1 thread tree_reduce wins, at the default 2 threads accumulate_n: the advice is the 2-thread race.
+    times = {(1, "tree_reduce"): 1.0, (1, "accumulate_n"): 2.0, (2, "tree_reduce"): 0.9, (2, "accumulate_n"): 0.5}
+    rows = [{"threads": t, "N": 8, "elements": 1 << 20, "method": m, "ms": ms, "GB/s": 1.0, "% roof": 1.0,
+             "x loop": 1.0} for (t, m), ms in times.items()]
+    meta = {"default_threads": 2, "roles": {"impl": "method", "size": "elements", "time": "ms", "group": "N"}}
+    r = _at_one_thread_count(BenchResult("k", list(kernels.COLUMNS), rows, [], meta))
+    assert {row["threads"] for row in r.rows} == {2}
+    assert [row["use"] for row in advice({"kernels": r}).rows] == ["accumulate_n"]
+    single = BenchResult("k", list(kernels.COLUMNS), rows[:2], [], meta)
+    assert _at_one_thread_count(single).rows == rows[:2]  # one thread count: unchanged

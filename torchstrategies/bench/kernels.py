@@ -1,22 +1,31 @@
 """Kernel benchmark: summing N float32 tensors with our kernels vs torch baselines, against memory roofline.
 
-For every (N, elements) it times, interleaved round by round so machine noise hits all alike:
+Every row is measured at each of several torch thread counts (default: 1 and torch's current count, which
+is its default unless changed), every method alike, so the table shows both the one-thread kernels and
+the split over torch's intra-op pool. For every (N, elements, threads) it times, interleaved round by
+round so machine noise hits all alike:
 
 - ``add_n``: TF's ADD_N baseline, ``ts.ops.add_n`` (sequential ``a + b``, allocates each step);
 - ``add_ loop``: ``out.copy_(t0)`` then ``out.add_(t)`` for the rest, into a preallocated ``out``;
 - ``stack+sum``: ``torch.stack(ts).sum(0)``;
 - ``tree_reduce`` and ``accumulate_n``: our one-pass kernels, into the same preallocated ``out``;
 
-and the memory roofline of the same run, ``dst.copy_(src)`` at that size (the best of its rounds).
-Effective bandwidth counts each input read once and the output written once:
-``GB/s = (N + 1) * bytes / time``; the roofline is
-``2 * bytes / time`` of the copy. ``speed-up`` is the add_ loop's time over the method's.
+and the memory roofline of the same run, ``dst.copy_(src)`` at that size and thread count (the best of
+its rounds). Effective bandwidth counts each input read once and the output written once:
+``GB/s = (N + 1) * bytes / time``; the roofline is ``2 * bytes / time`` of the copy.
+
+Columns (short, so the table fits 80 characters): ``threads``; ``N``; ``elements``; ``method``; ``ms``, the
+median time per call; ``GB/s``; ``% roof``, the GB/s as a percentage of the copy roofline at the same size
+and thread count; ``x loop``, the speed-up over the add_ loop (its time over the method's) at the same
+thread count.
 
 Example:
     >>> from torchstrategies.bench import kernels
-    >>> r = kernels.run(ns=(2,), sizes=(1024,), repeats=3, progress=False)
+    >>> r = kernels.run(ns=(2,), sizes=(1024,), repeats=3, progress=False, threads=(1, 2))
     >>> sorted({row["method"] for row in r.rows})[:2]
     ['accumulate_n', 'add_ loop']
+    >>> sorted({row["threads"] for row in r.rows})
+    [1, 2]
 """
 
 from __future__ import annotations
@@ -32,10 +41,10 @@ import torch
 from torchstrategies import ops
 from torchstrategies.bench.report import BenchResult, median
 
-__all__ = ["run", "plot", "METHODS"]
+__all__ = ["run", "plot", "thread_counts", "METHODS", "COLUMNS"]
 
 METHODS = ("add_n", "add_ loop", "stack+sum", "tree_reduce", "accumulate_n")
-COLUMNS = ["N", "elements", "method", "median ms", "GB/s", "% of roofline", "speed-up vs add_ loop"]
+COLUMNS = ["threads", "N", "elements", "method", "ms", "GB/s", "% roof", "x loop"]
 
 
 def _methods(xs: list[torch.Tensor], out: torch.Tensor) -> dict[str, Callable[[], Any]]:
@@ -79,70 +88,96 @@ def _time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int, warmup: i
     return {name: median(s) for name, s in samples.items()}
 
 
+def thread_counts(threads: int | Sequence[int] | None = None) -> list[int]:
+    """The thread counts a run measures: ``threads`` (an int or several, duplicates dropped), or by
+    default 1 and torch's current count (once if that is 1).
+
+    Raises:
+        ValueError: an empty list or a count below 1.
+    """
+    if threads is None:
+        return sorted({1, torch.get_num_threads()})
+    counts = [threads] if isinstance(threads, int) else list(threads)
+    if not counts or any(not isinstance(t, int) or t < 1 for t in counts):
+        raise ValueError(f"threads must be one or more integers >= 1, got {threads!r}")
+    return list(dict.fromkeys(counts))
+
+
 def run(
     ns: Sequence[int] = (2, 4, 8, 16),
     sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 24),
     repeats: int = 15,
     progress: bool = True,
     seed: int = 0,
-    threads: int | None = None,
+    threads: int | Sequence[int] | None = None,
 ) -> BenchResult:
-    """Times the methods for every N in ``ns`` and element count in ``sizes`` (float32, CPU).
+    """Times the methods for every N in ``ns``, element count in ``sizes`` and thread count (float32, CPU).
 
     Args:
         ns: numbers of tensors summed.
         sizes: elements per tensor.
-        repeats: timed rounds per (N, size); the table reports the median.
+        repeats: timed rounds per (N, size, threads); the table reports the median.
         progress: show a progress bar on stderr.
         seed: for the random inputs.
-        threads: torch intra-op threads for the run (all methods alike); None keeps the current setting.
+        threads: torch intra-op thread counts to measure at (all methods and the roofline alike): an int
+            or several; None: 1 and torch's current count. torch's setting is restored afterwards.
 
     Returns:
-        A BenchResult with one row per (N, size, method); ``meta["roofline_gbps"]`` maps each size to
-        the best copy bandwidth measured at that size in the same run.
+        A BenchResult with one row per (threads, N, size, method); ``meta["roofline_gbps"]`` maps each
+        thread count to {size: the best copy bandwidth measured at that size and thread count}.
+
+    Raises:
+        ValueError: empty ``ns`` / ``sizes``, ``repeats`` < 1, or a thread count below 1.
     """
     if not ns or not sizes or repeats < 1:
         raise ValueError(f"need non-empty ns and sizes and repeats >= 1, got {ns=}, {sizes=}, {repeats=}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    counts = thread_counts(threads)
     previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
-        return _run(ns, sizes, repeats, progress, seed)
+        return _run(ns, sizes, repeats, progress, seed, counts, previous)
     finally:
         torch.set_num_threads(previous)
 
 
-def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, seed: int) -> BenchResult:
+def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, seed: int, counts: list[int],
+         default_threads: int) -> BenchResult:
     from torchstrategies.bench import report
 
     g = torch.Generator().manual_seed(seed)
     rows: list[dict[str, Any]] = []
-    roofline: dict[int, float] = {}
+    roofline: dict[int, dict[int, float]] = {t: {} for t in counts}
     cases = [(n, size) for size in sizes for n in ns]
     for n, size in report.progress(cases, "kernels", total=len(cases), enabled=progress):
         xs = [torch.randn(size, generator=g) for _ in range(n)]
         out = torch.empty(size)
         src, dst = torch.randn(size, generator=g), torch.empty(size)
         fns: dict[str, Any] = {"copy": lambda d=dst, s=src: d.copy_(s), **_methods(xs, out)}
-        t = _time_interleaved(fns, repeats)
         nbytes = size * 4
-        roofline[size] = max(roofline.get(size, 0.0), 2 * nbytes / t["copy"] / 1e9)
-        for name in METHODS:
-            rows.append({"N": n, "elements": size, "method": name, "median ms": t[name] * 1e3,
-                         "GB/s": (n + 1) * nbytes / t[name] / 1e9, "speed-up vs add_ loop": t["add_ loop"] / t[name]})
+        for threads in counts:
+            torch.set_num_threads(threads)
+            t = _time_interleaved(fns, repeats)
+            roof = roofline[threads]
+            roof[size] = max(roof.get(size, 0.0), 2 * nbytes / t["copy"] / 1e9)
+            for name in METHODS:
+                rows.append({"threads": threads, "N": n, "elements": size, "method": name, "ms": t[name] * 1e3,
+                             "GB/s": (n + 1) * nbytes / t[name] / 1e9,
+                             "x loop": t["add_ loop"] / t[name]})
         del xs, out, src, dst, fns
-    # The roofline of a size is the best copy bandwidth measured at that size in this run (conservative:
+    # The roofline of a (threads, size) is the best copy bandwidth measured there in this run (conservative:
     # a noisy round cannot inflate a method's percentage).
     for row in rows:
-        row["% of roofline"] = 100 * row["GB/s"] / roofline[row["elements"]]
-    notes = [f"roofline (dst.copy_(src), 2*bytes/time) at {s} elements: {gb:.1f} GB/s" for s, gb in roofline.items()]
-    notes.append("GB/s = (N+1)*bytes/time; % of roofline = that / the best copy GB/s at that size in this run")
+        row["% roof"] = 100 * row["GB/s"] / roofline[row["threads"]][row["elements"]]
+    rows.sort(key=lambda r: r["threads"])  # stable: one block of rows per thread count
+    notes = [f"roofline (dst.copy_(src), 2*bytes/time) at {t} thread(s), {s} elements: {gb:.1f} GB/s"
+             for t, per_size in roofline.items() for s, gb in per_size.items()]
+    notes.append("ms = median per call; GB/s = (N+1)*bytes/time; % roof = 100 * that / the best copy GB/s at "
+                 "that size and thread count in this run; x loop = the add_ loop's time at the same thread count "
+                 "/ the method's")
     meta = {
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "machine": platform.machine(), "processor": _cpu_name(), "repeats": repeats, "loadavg": _loadavg(),
-        "roofline_gbps": roofline, "dtype": "float32",
+        "torch": torch.__version__, "threads": counts, "default_threads": default_threads,
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name(), "repeats": repeats,
+        "loadavg": _loadavg(), "roofline_gbps": roofline, "dtype": "float32",
+        "roles": {"impl": "method", "size": "elements", "time": "ms", "group": "N"},  # for compare
     }
     return BenchResult("Summing N float32 tensors (CPU)", list(COLUMNS), rows, notes, meta)
 
@@ -166,27 +201,31 @@ def _cpu_name() -> str:
 
 
 def plot(result: BenchResult, path: str) -> None:
-    """Draws GB/s against N, one panel per size, one line per method, the copy roofline dashed."""
+    """Draws GB/s against N, one panel per (thread count, size), one line per method, the copy roofline
+    dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = sorted({r["elements"] for r in result.rows})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
-    roof = {int(k): v for k, v in result.meta.get("roofline_gbps", {}).items()}
-    for ax, size in zip(axes[0], sizes):
-        for method in METHODS:
-            pts = sorted((r["N"], r["GB/s"]) for r in result.rows if r["elements"] == size and r["method"] == method)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-        if size in roof:
-            ax.axhline(roof[size], linestyle="--", color="gray", label="copy roofline")
-        ax.set_title(f"{size:,} float32 elements")
-        ax.set_xlabel("N tensors")
-        ax.set_ylabel("effective GB/s")
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
+    counts = sorted({r.get("threads", 1) for r in result.rows})
+    fig, axes = plt.subplots(len(counts), len(sizes), figsize=(5 * len(sizes), 4 * len(counts)), squeeze=False)
+    roofs = {int(t): {int(k): v for k, v in per.items()} for t, per in result.meta.get("roofline_gbps", {}).items()}
+    for ax_row, threads in zip(axes, counts):
+        for ax, size in zip(ax_row, sizes):
+            here = [r for r in result.rows if r["elements"] == size and r.get("threads", 1) == threads]
+            for method in METHODS:
+                pts = sorted((r["N"], r["GB/s"]) for r in here if r["method"] == method)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            if size in roofs.get(threads, {}):
+                ax.axhline(roofs[threads][size], linestyle="--", color="gray", label="copy roofline")
+            ax.set_title(f"{size:,} float32 elements, {threads} thread(s)")
+            ax.set_xlabel("N tensors")
+            ax.set_ylabel("effective GB/s")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(result.title)
     fig.tight_layout()

@@ -28,6 +28,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nproc": ("nproc", "world_size", "nproc_per_node"),
     "simulate_hosts": ("simulate_hosts",),
     "repeats": ("repeats", "rounds", "reps", "iters"),
+    "threads": ("threads",),
     "steps": ("steps", "num_steps", "iters"),
     "batch_size": ("batch_size", "batch", "per_rank_batch_size"),
     "progress": ("progress",),
@@ -116,11 +117,20 @@ def bench() -> None:
     help="Elements per tensor, e.g. 64K, 1M, 16M (repeat for several).",
 )
 @click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repetitions per point.")
+@click.option(
+    "--threads",
+    "threads",
+    type=click.IntRange(1),
+    multiple=True,
+    help="torch thread count to measure every row at (repeat: --threads 1 --threads 4). Default: 1 and "
+    "torch's default.",
+)
 @_output_options
 @click.pass_context
-def kernels(ctx: click.Context, n, kernel_sizes, repeats, progress, json_path, plot_path) -> None:
-    """Time the aggregation kernels (add_n, add_ loop, stack+sum, tree_reduce, accumulate_n)."""
-    opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "progress": progress}
+def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, json_path, plot_path) -> None:
+    """Time the aggregation kernels (add_n, add_ loop, stack+sum, tree_reduce, accumulate_n), each at 1
+    thread and at torch's default thread count, against the copy roofline at the same thread count."""
+    opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "threads": threads, "progress": progress}
     result, module = run_bench("kernels", opts, _explicit(ctx, list(opts)))
     emit_result(result, module, json_path, plot_path)
 

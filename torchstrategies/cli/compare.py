@@ -104,6 +104,20 @@ def _load_json(path: str):
         raise click.BadParameter(str(exc)) from None
 
 
+def _at_one_thread_count(result: Any) -> Any:
+    """A kernels result measured at several thread counts (a ``threads`` column) keeps only the rows at
+    its default count (``meta["default_threads"]``, else the largest), so each (N, size) race compares
+    methods at one thread count; other results are returned as they are."""
+    counts = {row.get("threads") for row in result.rows} if "threads" in result.columns else set()
+    if len(counts) < 2:
+        return result
+    keep = (result.meta or {}).get("default_threads")
+    keep = keep if keep in counts else max(counts)
+    result.rows = [row for row in result.rows if row.get("threads") == keep]
+    result.notes = [*result.notes, f"compare: the rows at {keep} thread(s) (of {sorted(counts)})"]
+    return result
+
+
 @click.command()
 @click.option(
     "--nproc", type=click.IntRange(2), default=2, show_default=True, help="Ranks for the all-reduce run."
@@ -174,10 +188,15 @@ def compare(
     skipped: list[str] = []
     # Kernels.
     if kernels_from:
-        sources["kernels"] = _load_json(kernels_from)
+        sources["kernels"] = _at_one_thread_count(_load_json(kernels_from))
     elif module_available(BENCH_MODULES["kernels"]):
-        opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "progress": progress}
-        sources["kernels"], _ = run_bench("kernels", opts, explicit("n", "kernel_sizes", "repeats"))
+        import torch
+
+        # The race is at the thread count this process runs with (bench kernels alone also adds 1 thread).
+        opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "threads": (torch.get_num_threads(),),
+                "progress": progress}
+        result, _ = run_bench("kernels", opts, explicit("n", "kernel_sizes", "repeats"), soft={"threads"})
+        sources["kernels"] = _at_one_thread_count(result)
     else:
         skipped.append(BENCH_MODULES["kernels"])
     # All-reduce.
