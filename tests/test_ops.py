@@ -11,7 +11,7 @@ import torchstrategies as ts
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 SIZES = [0, 1, 7, 4097]
 BIG = (1 << 20) + 3
-NS = [1, 2, 3, 8, 64]
+NS = [1, 2, 3, 8, 13, 64]  # 13: the blocked path with a remainder group (8 + 5)
 
 
 def make(n: int, size: int | tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:

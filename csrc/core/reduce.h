@@ -27,8 +27,10 @@ namespace core {
 
 // Elements per block: the float accumulator of one block (4096 * 4 B = 16 KiB) stays in L1.
 constexpr int64_t kBlock = 4096;
-// Inputs added per pass over the accumulator (sequential order is kept: ((acc + a) + b) + c ...).
-constexpr int kGroup = 4;
+// Inputs added per pass over the accumulator (sequential order is kept: ((acc + a) + b) + c ...); up to
+// kGroup inputs are summed in registers in one pass with no accumulator. 8 rather than 4: N = 8 float32
+// at 16M elements went from about 27 to 24 ms on one thread of the 2-vCPU EPYC (docs/kernels.md).
+constexpr int kGroup = 8;
 // Inputs summed directly in registers at the leaves of tree_reduce (balanced order inside a leaf).
 constexpr int kLeaf = 4;
 
@@ -120,7 +122,11 @@ TS_INLINE void seq_group_k(int k, T* out, Acc* acc, const T* const* xs, int64_t 
     case 1: seq_group<T, Acc, 1, FIRST, LAST>(out, acc, xs, m, hs, s); break;
     case 2: seq_group<T, Acc, 2, FIRST, LAST>(out, acc, xs, m, hs, s); break;
     case 3: seq_group<T, Acc, 3, FIRST, LAST>(out, acc, xs, m, hs, s); break;
-    default: seq_group<T, Acc, 4, FIRST, LAST>(out, acc, xs, m, hs, s); break;
+    case 4: seq_group<T, Acc, 4, FIRST, LAST>(out, acc, xs, m, hs, s); break;
+    case 5: seq_group<T, Acc, 5, FIRST, LAST>(out, acc, xs, m, hs, s); break;
+    case 6: seq_group<T, Acc, 6, FIRST, LAST>(out, acc, xs, m, hs, s); break;
+    case 7: seq_group<T, Acc, 7, FIRST, LAST>(out, acc, xs, m, hs, s); break;
+    default: seq_group<T, Acc, 8, FIRST, LAST>(out, acc, xs, m, hs, s); break;
   }
 }
 
