@@ -197,3 +197,85 @@ def hierarchical_leader_stage_fails(rank: int, world: int) -> tuple:
     except (UnavailableError, DeadlineExceededError, ValueError) as e:
         return (type(e).__name__, str(e))
 
+
+
+# ---- issue 27, items 4-7 (through the public API, so each test runs unchanged against older builds) --------
+def _file_barrier(tmp: str, rank: int, ranks: list[int], seconds: float = 60.0) -> None:
+    """Waits until every rank in ``ranks`` has reached this point (files: the store may be frozen)."""
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in ranks):
+        time.sleep(0.05)
+
+
+def frozen_store_host(rank: int, world: int, impl: str, timeout: float, tmp: str) -> tuple:
+    """Rank 0 (which hosts the c10d store) is SIGSTOPped after a first all-reduce; the others report what
+    the next one raised and after how long; then rank 1 kills rank 0."""
+    from torchstrategies import collectives as C
+
+    opts = _opts(impl, timeout)
+    C.all_reduce_(torch.ones(10), options=opts)  # set up while everyone is alive
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+    t0 = time.monotonic()
+    try:
+        C.all_reduce_(torch.ones(10), options=opts)
+        result: tuple = ("no error", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - reported
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+    _file_barrier(tmp, rank, list(range(1, world)))
+    if rank == 1:
+        os.kill(pids[0], signal.SIGKILL)
+    return result
+
+
+def mismatched_collectives(rank: int, world: int, impl: str) -> dict:
+    """The last rank calls broadcast / all_gather / a different all-reduce while the others call all_reduce:
+    ValueError on every rank, and the group still works afterwards."""
+    from torchstrategies import collectives as C
+
+    opts = _opts(impl, 8)
+    C.all_reduce(torch.ones(4), options=opts)  # set up first
+    odd = rank == world - 1
+    others = {
+        "broadcast": lambda: C.broadcast(torch.ones(4), 0, options=opts),
+        "all_gather": lambda: C.all_gather(torch.ones(4), options=opts),
+        "all_reduce_max": lambda: C.all_reduce(torch.ones(4), op="max", options=opts),
+    }
+    out: dict = {}
+    for name, other in others.items():
+        out[name] = _expect_value_error(other if odd else lambda: C.all_reduce(torch.ones(4), options=opts))
+        out[name + "_after"] = C.all_reduce(torch.full((3,), float(rank + 1)), options=opts).tolist()
+    return out
+
+
+def ring_set_up_by_one_rank(rank: int, world: int) -> dict:
+    """Rank 0 alone starts a RING all-reduce (it times out); afterwards both ranks use RING on new groups."""
+    from torchstrategies import collectives as C
+
+    out: dict = {}
+    if rank == 0:
+        try:
+            C.all_reduce(torch.ones(3), options=_opts("RING", 3))
+            out["alone"] = "no error"
+        except Exception as e:  # noqa: BLE001 - any named error is fine here
+            out["alone"] = type(e).__name__
+    else:
+        time.sleep(6)
+    dist.barrier()
+    for k in range(2):
+        g = dist.new_group([0, 1])
+        out[f"new_group_{k}"] = C.all_reduce(torch.full((3,), float(rank + 1)), group=g,
+                                             options=_opts("RING", 20)).tolist()
+    return out
+
+
+def debug_on_one_rank(rank: int, world: int) -> dict:
+    """TORCHSTRATEGIES_DEBUG is set on rank 0 only (by the test's environment)."""
+    from torchstrategies import collectives as C
+
+    return {impl: _expect_value_error(lambda impl=impl: C.all_reduce(torch.ones(3), options=_opts(impl, 20)))
+            for impl in ("GLOO", "AUTO")}

@@ -366,7 +366,6 @@ Fault Transport::shm_fault(const char* what, const shm::CommError& e, double tim
 Fault Transport::ring_fault(const char* what, const ring::RingError& e, double timeout_s) {
   const int n = static_cast<int>(ring_members_.size());
   const std::string mkey = "ts/ring/" + std::to_string(epoch_) + "/mismatch";
-  ring_->close();  // our neighbours see the ring close and come here too
   if (e.kind == ring::RingError::kMismatch) {
     const int left = ring_members_[(ring_rank_ + n - 1) % n];
     const std::string msg = mismatch_text(cfg_.rank, ring::desc_of(e.mine), left, ring::desc_of(e.theirs),
@@ -376,8 +375,10 @@ Fault Transport::ring_fault(const char* what, const ring::RingError& e, double t
       store_->check(mkey, kStoreSeconds);  // a round trip: the message is in the store before the peers look
     } catch (const StoreTimeout&) {  // they will then name the ring's failure instead
     }
+    ring_->close();  // only now: the neighbours see the ring close, come here and find the message
     return Fault(Fault::kMismatch, msg);
   }
+  ring_->close();
   if (store_->check(mkey, kStoreSeconds)) {
     try {
       return Fault(Fault::kMismatch, store_->get({mkey}, kStoreSeconds)[0]);

@@ -77,9 +77,8 @@ void Work::complete(std::exception_ptr error) {
   }
 }
 
-Backend::Backend(int rank, int size, std::unique_ptr<core::Transport> transport, c10::intrusive_ptr<c10d::Backend> gloo,
-                 double timeout_s)
-    : c10d::Backend(rank, size), transport_(std::move(transport)), gloo_(std::move(gloo)), timeout_s_(timeout_s) {
+Backend::Backend(int rank, int size, std::unique_ptr<core::Transport> transport, double timeout_s)
+    : c10d::Backend(rank, size), transport_(std::move(transport)), timeout_s_(timeout_s) {
   worker_ = std::thread([this] { loop(); });
 }
 

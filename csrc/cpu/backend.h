@@ -46,8 +46,10 @@ class Work : public c10d::Work {
 
 class Backend final : public c10d::Backend {
  public:
-  Backend(int rank, int size, std::unique_ptr<core::Transport> transport, c10::intrusive_ptr<c10d::Backend> gloo,
-          double timeout_s);
+  Backend(int rank, int size, std::unique_ptr<core::Transport> transport, double timeout_s);
+  // The gloo backend the collectives we do not run go to (set by the creator right after construction, once
+  // our own set-up succeeded, so a set-up failure is reported as ours).
+  void set_gloo(c10::intrusive_ptr<c10d::Backend> gloo) { gloo_ = std::move(gloo); }
   ~Backend() override;
 
   const std::string getBackendName() const override { return "torchstrategies"; }

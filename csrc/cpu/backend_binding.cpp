@@ -28,8 +28,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
                                                std::string desc, int impl, std::string host_id,
                                                std::string ring_addr, int64_t slot_bytes, int64_t ring_small_bytes,
                                                int64_t ring_chunk_bytes, int64_t ring_socket_bytes,
-                                               std::vector<std::pair<std::string, std::string>> settings,
-                                               c10::intrusive_ptr<c10d::Backend> gloo) {
+                                               std::vector<std::pair<std::string, std::string>> settings) {
   TORCH_CHECK(impl >= 0 && impl <= 3, "torchstrategies backend: bad implementation code ", impl);
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "torchstrategies backend: bad rank ", rank, " of ", size);
   TORCH_CHECK(static_cast<int>(global_ranks.size()) == size, "torchstrategies backend: ", global_ranks.size(),
@@ -55,7 +54,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
     throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                                 std::string("torchstrategies ") + names[f.kind] + ": " + f.what());
   }
-  return c10::make_intrusive<Backend>(rank, size, std::move(t), std::move(gloo), timeout_s);
+  return c10::make_intrusive<Backend>(rank, size, std::move(t), timeout_s);
 }
 
 }  // namespace
@@ -64,8 +63,11 @@ void init_backend_bindings(py::module_& m) {
   m.def("make_backend", &make_backend, py::call_guard<py::gil_scoped_release>(), py::arg("store"), py::arg("rank"),
         py::arg("size"), py::arg("timeout"), py::arg("global_ranks"), py::arg("desc"), py::arg("implementation"),
         py::arg("host_id"), py::arg("ring_addr"), py::arg("slot_bytes"), py::arg("ring_small_bytes"),
-        py::arg("ring_chunk_bytes"), py::arg("ring_socket_bytes"), py::arg("settings"), py::arg("gloo"),
+        py::arg("ring_chunk_bytes"), py::arg("ring_socket_bytes"), py::arg("settings"),
         "Makes the torchstrategies c10d backend of one group (collective over the group's ranks).");
+  m.def(
+      "backend_set_gloo", [](c10d::Backend& b, c10::intrusive_ptr<c10d::Backend> gloo) { ours(b).set_gloo(gloo); },
+      py::arg("backend"), py::arg("gloo"), "Gives the backend the gloo backend it hands other collectives to.");
   m.def(
       "backend_plan", [](c10d::Backend& b) { return py::make_tuple(ours(b).plan_name(), ours(b).num_hosts()); },
       py::arg("backend"), "(plan name, number of hosts) of a torchstrategies backend.");

@@ -149,15 +149,17 @@ def make(store: Any, rank: int, size: int, timeout: float, global_ranks: list[in
         ("TORCHSTRATEGIES_RING_SMALL_BYTES", str(small)),
         ("TORCHSTRATEGIES_RING_CHUNK_BYTES", str(chunk)),
     ]
-    td = datetime.timedelta(seconds=timeout)
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, td)
     try:
-        return _C.make_backend(
+        made = _C.make_backend(
             store, rank, size, timeout, global_ranks, desc, _CODES[impl], topology.host_id(),
             bind_address() if impl is not Impl.SHM else "", slot, small, chunk,
-            _int_env("TORCHSTRATEGIES_RING_SOCKET_BYTES", 0), settings, gloo)
+            _int_env("TORCHSTRATEGIES_RING_SOCKET_BYTES", 0), settings)
     except dist.DistBackendError as exc:
         raise from_backend_error(exc) from None
+    # gloo connects every pair now (send/recv need it ready); our own set-up has already succeeded.
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, datetime.timedelta(seconds=timeout))
+    _C.backend_set_gloo(made, gloo)
+    return made
 
 
 def register() -> None:
