@@ -234,13 +234,12 @@ def peer_dies_or_freezes(rank: int, world: int, impl: str, how: str, victim: int
         result = ("DistBackendError", str(e), time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - reported
         result = (type(e).__name__, str(e), time.monotonic() - t0)
-    if how == "stop":
-        open(os.path.join(tmp, f"done{rank}"), "w").close()
-        survivors = [r for r in range(world) if r != victim]
-        if rank == survivors[0]:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(
-                    os.path.exists(os.path.join(tmp, f"done{r}")) for r in survivors):
-                time.sleep(0.05)
-            os.kill(pids[victim], signal.SIGKILL)
+    # Every survivor stays until all have their error (an exit looks like a death to a slower one).
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
+    survivors = [r for r in range(world) if r != victim]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in survivors):
+        time.sleep(0.05)
+    if how == "stop" and rank == survivors[0]:
+        os.kill(pids[victim], signal.SIGKILL)
     return result

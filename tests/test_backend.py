@@ -53,9 +53,9 @@ def test_fsdp2_fully_shard_on_the_backend_trains_like_ddp():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("impl, world, hosts", [("SHM", 2, None), ("RING", 3, None),
                                                 ("HIERARCHICAL", 3, _HOSTS_2_1)])
-def test_a_killed_peer_raises_unavailable_naming_it_within_the_timeout(impl, world, hosts):
+def test_a_killed_peer_raises_unavailable_naming_it_within_the_timeout(impl, world, hosts, tmp_path):
     timeout = 10.0
-    res = run_ranks(B.peer_dies_or_freezes, world, args=(impl, "kill", world - 1, timeout), timeout=110,
+    res = run_ranks(B.peer_dies_or_freezes, world, args=(impl, "kill", world - 1, timeout, str(tmp_path)), timeout=110,
                     expect_failure=[world - 1], env_per_rank=hosts)
     for rank in range(world - 1):
         kind, msg, took = res[rank]

@@ -33,6 +33,7 @@ std::string describe(const CallDesc& d) {
     s += std::string("op=") + op_name(d.op) + ", dtype=" +
          (d.dtype >= 0 && d.dtype < 6 ? dtype_name(static_cast<DType>(d.dtype)) : "?") +
          ", numel=" + std::to_string(d.count);
+    if (d.parts != 1) s += ", tensors=" + std::to_string(d.parts);
   } else {
     if (d.kind == kBroadcast || d.kind == kGather || d.kind == kScatter || d.kind == kReduce) {
       s += "root=" + std::to_string(d.root) + ", ";
@@ -50,6 +51,7 @@ std::string differences(const CallDesc& a, const CallDesc& b) {
   if (a.dtype != b.dtype) add("dtype");
   if (a.count != b.count) add(is_reduction(a.kind) ? "numel" : "bytes");
   if (a.root != b.root) add("root");
+  if (a.parts != b.parts) add("number of tensors");
   return out;
 }
 

@@ -32,6 +32,7 @@ struct CallDesc {
   int32_t dtype = 0;  // core::DType for reductions, else the caller's dtype tag
   int64_t count = 0;  // elements for reductions, else bytes per rank
   int32_t root = 0;   // broadcast / gather / scatter / reduce root (group rank), else 0
+  int32_t parts = 1;  // all_reduce: how many tensors the call reduces as one buffer
 };
 
 const char* kind_name(int32_t kind);

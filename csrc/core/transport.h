@@ -49,6 +49,8 @@ class KeyValue {
   virtual std::vector<std::string> get(const std::vector<std::string>& keys, double seconds) = 0;
   // True if the key exists; false if it does not, or the store did not answer within `seconds`.
   virtual bool check(const std::string& key, double seconds) = 0;
+  // Which keys exist (one answer per key), or an empty vector if the store did not answer in time.
+  virtual std::vector<bool> check_all(const std::vector<std::string>& keys, double seconds) = 0;
 };
 
 class StoreTimeout : public std::runtime_error {

@@ -121,8 +121,12 @@ void Transport::rendezvous(double timeout_s) {
     store_->set(keys[cfg_.rank], row, timeout_s);
     rows = store_->get(keys, timeout_s);
   } catch (const StoreTimeout& e) {
-    throw Fault(Fault::kTimeout, "set-up of " + cfg_.desc + ": not every rank arrived within " +
-                                     seconds_text(timeout_s) + " s (" + e.what() + ")");
+    const std::vector<bool> here = store_->check_all(keys, kStoreSeconds);
+    std::vector<int> missing;
+    for (int r = 0; r < n && here.size() == keys.size(); ++r) {
+      if (!here[r]) missing.push_back(r);
+    }
+    throw named_fault(Fault::kTimeout, "set-up", missing, timeout_s, e.what());
   }
   std::vector<std::vector<std::string>> fields;
   for (const auto& r : rows) fields.push_back(split(r, '\t'));
@@ -329,7 +333,8 @@ CallDesc shm_desc(const uint64_t w[3]) {
   const int32_t op = static_cast<int32_t>((w[0] >> 16) & 0xFFFF), dtype = static_cast<int32_t>(w[0] & 0xFFFF);
   const int64_t count = static_cast<int64_t>(w[1]);
   switch (kind) {
-    case 1: case 2: return {kAllReduce, op, dtype, count, 0};
+    case 1: return {kAllReduce, op, dtype, count, 0, static_cast<int32_t>(w[2] >> 40)};
+    case 2: return {kAllReduce, op, dtype, count, 0, 1};
     case 3: return {kBroadcast, 0, 0, count, static_cast<int32_t>(w[2])};
     case 4: return {kAllGather, 0, 0, count, 0};
     case 6: return {kReduceScatter, op, dtype, count, 0};
@@ -366,49 +371,63 @@ Fault Transport::shm_fault(const char* what, const shm::CommError& e, double tim
 Fault Transport::ring_fault(const char* what, const ring::RingError& e, double timeout_s) {
   const int n = static_cast<int>(ring_members_.size());
   const std::string mkey = "ts/ring/" + std::to_string(epoch_) + "/mismatch";
+  // Whatever is published goes to the store before the ring closes: the neighbours, seeing it close, look.
+  auto publish = [&](const std::string& key, const std::string& value) {
+    try {
+      store_->set(key, value, kStoreSeconds);
+      store_->check(key, kStoreSeconds);  // a round trip: the value is in the store before we go on
+    } catch (const StoreTimeout&) {  // the others then name what they see themselves
+    }
+  };
   if (e.kind == ring::RingError::kMismatch) {
     const int left = ring_members_[(ring_rank_ + n - 1) % n];
     const std::string msg = mismatch_text(cfg_.rank, ring::desc_of(e.mine), left, ring::desc_of(e.theirs),
                                           "settings TORCHSTRATEGIES_RING_SMALL_BYTES / _CHUNK_BYTES");
-    try {
-      store_->set(mkey, msg, kStoreSeconds);
-      store_->check(mkey, kStoreSeconds);  // a round trip: the message is in the store before the peers look
-    } catch (const StoreTimeout&) {  // they will then name the ring's failure instead
-    }
-    ring_->close();  // only now: the neighbours see the ring close, come here and find the message
+    publish(mkey, msg);
+    ring_->close();
     return Fault(Fault::kMismatch, msg);
   }
-  ring_->close();
-  if (store_->check(mkey, kStoreSeconds)) {
+  Fault result(Fault::kUnavailable, "");
+  bool found = false;
+  if (store_->check(mkey, kStoreSeconds)) {  // a rank found a mismatch and closed the ring over it
     try {
-      return Fault(Fault::kMismatch, store_->get({mkey}, kStoreSeconds)[0]);
+      result = Fault(Fault::kMismatch, store_->get({mkey}, kStoreSeconds)[0]);
+      found = true;
     } catch (const StoreTimeout&) {
     }
   }
   std::vector<int> gone, stopped;
   diagnose(&gone, &stopped);
-  if (gone.empty() && stopped.empty() && store_->check("ts/fault", kStoreSeconds)) {
-    try {
+  // A closed connection can be seen while the peer is still exiting: look again briefly.
+  for (int i = 0; !found && i < 10 && gone.empty() && e.kind == ring::RingError::kPeerDead; ++i) {
+    usleep(50000);
+    gone.clear();
+    stopped.clear();
+    diagnose(&gone, &stopped);
+  }
+  if (!found && gone.empty() && stopped.empty() && store_->check("ts/fault", kStoreSeconds)) {
+    try {  // a rank on another machine saw who is gone
       const auto v = split(store_->get({"ts/fault"}, kStoreSeconds)[0], ' ');
-      return Fault(Fault::kUnavailable, std::string(what) + " on " + cfg_.desc + ": ranks [" + v.at(0) +
-                                            "] are gone (rank " + v.at(1) + " reported it; " + e.what() + ")");
+      result = Fault(Fault::kUnavailable, std::string(what) + " on " + cfg_.desc + ": ranks [" + v.at(0) +
+                                              "] are gone (rank " + v.at(1) + " reported it; " + e.what() + ")");
+      found = true;
     } catch (const std::exception&) {
     }
   }
-  const int peer = e.peer >= 0 && e.peer < n ? ring_members_[e.peer] : -1;
-  std::vector<int> named;
-  if (peer >= 0) named.push_back(peer);
-  Fault f = named_fault(e.kind == ring::RingError::kTimeout ? Fault::kTimeout : Fault::kUnavailable, what, named,
-                        timeout_s, e.what());
-  const int culprit = !gone.empty() ? gone[0] : f.kind == Fault::kUnavailable ? peer : -1;
-  if (culprit >= 0) {  // for the ranks that only see the ring close, on other machines
-    try {
-      store_->set("ts/fault", std::to_string(cfg_.global_ranks[culprit]) + " " +
-                                  std::to_string(cfg_.global_ranks[cfg_.rank]), kStoreSeconds);
-    } catch (const StoreTimeout&) {
+  if (!found) {
+    const int peer = e.peer >= 0 && e.peer < n ? ring_members_[e.peer] : -1;
+    std::vector<int> named;
+    if (peer >= 0) named.push_back(peer);
+    result = named_fault(e.kind == ring::RingError::kTimeout ? Fault::kTimeout : Fault::kUnavailable, what, named,
+                         timeout_s, e.what());
+    const int culprit = !gone.empty() ? gone[0] : result.kind == Fault::kUnavailable ? peer : -1;
+    if (culprit >= 0) {  // for the ranks that only see the ring close, on other machines
+      publish("ts/fault", std::to_string(cfg_.global_ranks[culprit]) + " " +
+                              std::to_string(cfg_.global_ranks[cfg_.rank]));
     }
   }
-  return f;
+  ring_->close();
+  return result;
 }
 
 // A hierarchical leader that failed tells the other hosts (their leaders wait on it in the ring).

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <utility>
@@ -61,6 +62,26 @@ void copy_back(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+// A list reduced as one buffer must not hold the same memory twice (the same tensor, a view of another):
+// every tensor whose bytes overlap an earlier one's works on a private copy, copied back afterwards, so each
+// entry is reduced exactly once.
+void unalias(std::vector<at::Tensor>& used) {
+  if (used.size() < 2) return;
+  std::vector<std::pair<uintptr_t, size_t>> spans;  // (start, index)
+  for (size_t i = 0; i < used.size(); ++i) {
+    if (used[i].numel()) spans.emplace_back(reinterpret_cast<uintptr_t>(used[i].data_ptr()), i);
+  }
+  std::sort(spans.begin(), spans.end());
+  uintptr_t end = 0;
+  for (const auto& [lo, i] : spans) {
+    if (lo < end) {
+      used[i] = used[i].clone();
+    } else {
+      end = std::max(end, lo + static_cast<uintptr_t>(nbytes(used[i])));
+    }
+  }
+}
 
 }  // namespace
 
@@ -177,6 +198,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
               "torchstrategies allreduce: AVG needs floating-point tensors, got ", tensors[0].scalar_type());
   std::vector<at::Tensor> used;
   for (const auto& t : tensors) used.push_back(work_on(t));
+  unalias(used);
   return submit(OpType::ALLREDUCE, tensors, opts.timeout, [this, tensors, used, dt = *dtype, op](double t) {
     std::vector<core::shm::Piece> pieces;
     for (const auto& u : used) pieces.push_back({ptr(u), u.numel()});

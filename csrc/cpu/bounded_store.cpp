@@ -95,4 +95,16 @@ bool BoundedStore::check(const std::string& key, double seconds) {
   }
 }
 
+std::vector<bool> BoundedStore::check_all(const std::vector<std::string>& keys, double seconds) {
+  try {
+    return bounded<std::vector<bool>>(store_, seconds, "check(...)", [keys](c10d::Store& s) {
+      std::vector<bool> out;
+      for (const auto& k : keys) out.push_back(s.check({k}));
+      return out;
+    });
+  } catch (const core::StoreTimeout&) {
+    return {};
+  }
+}
+
 }  // namespace torchstrategies

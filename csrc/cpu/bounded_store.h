@@ -22,6 +22,7 @@ class BoundedStore : public core::KeyValue {
   void set(const std::string& key, const std::string& value, double seconds) override;
   std::vector<std::string> get(const std::vector<std::string>& keys, double seconds) override;
   bool check(const std::string& key, double seconds) override;
+  std::vector<bool> check_all(const std::vector<std::string>& keys, double seconds) override;
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

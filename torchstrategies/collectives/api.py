@@ -85,10 +85,11 @@ class _Target:
     """Where a group's calls for one implementation run: ``obj`` takes c10d calls (a Backend, or the group
     itself for CUDA tensors); ``avg`` says whether it computes ReduceOp.AVG (gloo does not)."""
 
-    __slots__ = ("obj", "ours", "avg", "debug", "__weakref__")
+    __slots__ = ("obj", "ours", "avg", "debug", "generation", "__weakref__")
 
     def __init__(self, obj: Any, ours: bool, avg: bool, debug_on: bool) -> None:
         self.obj, self.ours, self.avg, self.debug = obj, ours, avg, debug_on
+        self.generation = topology.generation()  # topology.clear_caches() (new host identities) retires it
 
 
 # Per live group (held weakly, so a destroyed group goes at once): (implementation, cuda) -> _Target, or the
@@ -102,8 +103,10 @@ def _target(group: Any, impl: Impl, cuda: bool) -> _Target:
     if per is None:
         per = _targets[g] = {}
     found = per.get((impl, cuda))
-    if isinstance(found, _Target):
+    if isinstance(found, _Target) and found.generation == topology.generation():
         return found
+    if isinstance(found, _Target):  # made before topology.clear_caches(): make it again (collective)
+        found = None
     if found is not None:
         raise RuntimeError(f"{impl.name} on {topology.describe_group(g)} failed to set up earlier ({found}); "
                            "create a new process group") from found
@@ -155,7 +158,7 @@ def _make_target(g: Any, impl: Impl, cuda: bool) -> _Target:
 
 def _derived_store(g: Any, what: str) -> Any:
     store = dist.distributed_c10d._get_default_store()
-    return dist.PrefixStore(f"torchstrategies/{g.group_name}/{what}/", store)
+    return dist.PrefixStore(f"torchstrategies/{g.group_name}/{what}/{topology.generation()}/", store)
 
 
 def choose(impl: Impl | str, tensors: Sequence[torch.Tensor], group: Any) -> Impl:
@@ -320,18 +323,20 @@ def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, g
     """
     works, finish, target, _, results, single = _launch("all_reduce_async", tensors, op, group, options, True)
     futs = [w.get_future() for w in works]
-    both: torch.futures.Future[Any] = torch.futures.collect_all(futs)  # type: ignore[arg-type]
+    result: torch.futures.Future[Any] = torch.futures.Future()
 
-    def done(f: torch.futures.Future[Any]) -> Any:
+    def done(both: Any) -> None:
         try:
-            for part in f.value():
+            for part in both.value():
                 part.wait()
+            finish()
         except Exception as exc:  # noqa: BLE001 - the documented error replaces the backend's
-            raise _translate(exc, target) from None
-        finish()
-        return results[0] if single else results
+            result.set_exception(_translate(exc, target))  # type: ignore[arg-type]
+            return
+        result.set_result(results[0] if single else results)
 
-    return both.then(done)
+    torch.futures.collect_all(futs).add_done_callback(done)  # type: ignore[arg-type]
+    return result
 
 
 # ---------------------------------------------------------------------------------------- gather, broadcast
