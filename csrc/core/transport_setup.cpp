@@ -285,6 +285,7 @@ void Transport::raise(const Fault& f) {
 }
 
 void Transport::diagnose(std::vector<int>* gone, std::vector<int>* stopped) const {
+  if (static_cast<int>(machines_.size()) != cfg_.size) return;  // before the rows are in: nothing known
   const uint64_t me = machines_[cfg_.rank];
   for (int r = 0; r < cfg_.size; ++r) {
     if (r == cfg_.rank || machines_[r] != me) continue;

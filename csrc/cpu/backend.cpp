@@ -130,43 +130,67 @@ double Backend::timeout_of(std::chrono::milliseconds t) const {
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, std::vector<at::Tensor> outputs,
-                                               std::chrono::milliseconds timeout, Task task) {
+                                               std::chrono::milliseconds timeout, bool sync, Task task) {
   auto work = c10::make_intrusive<Work>(getRank(), type, std::move(outputs));
+  Item item{work, timeout_of(timeout), std::move(task)};
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!sync || busy_ || !queue_.empty()) {
+      queue_.push_back(std::move(item));
+      lock.unlock();
+      cv_.notify_one();
+      return work;
+    }
+    busy_ = true;  // the worker starts nothing while this call runs
+  }
+  // A call the caller waits for at once (async_op=False), with nothing queued before it, runs on the
+  // caller's thread: the same order, without handing it to the worker and waking the caller up again.
+  run(item);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Item{work, timeout_of(timeout), std::move(task)});
+    busy_ = false;
   }
-  cv_.notify_one();
+  cv_.notify_all();
   return work;
 }
 
-void Backend::loop() {
+void Backend::run(Item& item) {
   at::NoGradGuard no_grad;  // the copies back into the caller's tensors are not part of any graph
+  std::exception_ptr error;
+  try {
+    item.task(item.timeout_s);
+  } catch (const core::Fault& f) {
+    error = to_error(f);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  item.work->complete(error);
+}
+
+void Backend::loop() {
   for (;;) {
     Item item;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !busy_); });
       if (queue_.empty()) return;
       item = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
-    std::exception_ptr error;
-    try {
-      item.task(item.timeout_s);
-    } catch (const core::Fault& f) {
-      error = to_error(f);
-    } catch (...) {
-      error = std::current_exception();
+    run(item);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
-    item.work->complete(error);
+    cv_.notify_all();
   }
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::delegate(OpType type, std::vector<at::Tensor> outputs,
-                                                 std::chrono::milliseconds timeout, core::CallDesc desc,
+                                                 std::chrono::milliseconds timeout, bool sync, core::CallDesc desc,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op) {
-  return submit(type, std::move(outputs), timeout, [this, desc, gloo_op = std::move(gloo_op)](double t) {
+  return submit(type, std::move(outputs), timeout, sync, [this, desc, gloo_op = std::move(gloo_op)](double t) {
     transport_->check(desc, t);
     auto w = gloo_op();
     w->wait(std::chrono::milliseconds(static_cast<int64_t>(t * 1000.0) + 1));
@@ -185,7 +209,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
     for (const auto& t : tensors) total += t.layout() == at::kStrided ? nbytes(t) : 0;
     auto ts = tensors;
     auto o = opts;
-    return delegate(OpType::ALLREDUCE, tensors, opts.timeout, {core::kAllReduceDelegated, 0, 0, total, 0},
+    return delegate(OpType::ALLREDUCE, tensors, opts.timeout, !opts.asyncOp, {core::kAllReduceDelegated, 0, 0, total, 0},
                     [this, ts, o]() mutable {
                       if (ts.size() == 1) return gloo_->allreduce(ts, o);
                       c10d::AllreduceCoalescedOptions co;
@@ -199,7 +223,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   std::vector<at::Tensor> used;
   for (const auto& t : tensors) used.push_back(work_on(t));
   unalias(used);
-  return submit(OpType::ALLREDUCE, tensors, opts.timeout, [this, tensors, used, dt = *dtype, op](double t) {
+  return submit(OpType::ALLREDUCE, tensors, opts.timeout, !opts.asyncOp, [this, tensors, used, dt = *dtype, op](double t) {
     std::vector<core::shm::Piece> pieces;
     for (const auto& u : used) pieces.push_back({ptr(u), u.numel()});
     transport_->all_reduce(pieces, dt, op, t);
@@ -225,7 +249,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
     used.push_back(work_on(t));
   }
   const int root = static_cast<int>(opts.rootRank);
-  return submit(OpType::BROADCAST, tensors, opts.timeout, [this, tensors, used, root](double t) {
+  return submit(OpType::BROADCAST, tensors, opts.timeout, !opts.asyncOp, [this, tensors, used, root](double t) {
     for (const auto& u : used) {
       transport_->broadcast(ptr(u), static_cast<size_t>(nbytes(u)), root, static_cast<int32_t>(u.scalar_type()), t);
     }
@@ -242,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "torchstrategies allgather: output holds ",
               output.numel(), " elements, expected world size ", getSize(), " x ", input.numel());
   const at::Tensor in = work_on(input), out = work_on(output);
-  return submit(OpType::_ALLGATHER_BASE, {output}, opts.timeout, [this, in, out, output](double t) {
+  return submit(OpType::_ALLGATHER_BASE, {output}, opts.timeout, !opts.asyncOp, [this, in, out, output](double t) {
     transport_->all_gather(ptr(in), ptr(out), static_cast<size_t>(nbytes(in)), static_cast<int32_t>(in.scalar_type()), t);
     copy_back({output}, {out});
   });
@@ -265,7 +289,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   check_cpu("allgather", input);
   const at::Tensor in = work_on(input);
   const at::Tensor flat = at::empty({getSize() * input.numel()}, input.options());
-  return submit(OpType::ALLGATHER, outs, opts.timeout, [this, in, flat, outs](double t) {
+  return submit(OpType::ALLGATHER, outs, opts.timeout, !opts.asyncOp, [this, in, flat, outs](double t) {
     transport_->all_gather(ptr(in), ptr(flat), static_cast<size_t>(nbytes(in)), static_cast<int32_t>(in.scalar_type()),
                            t);
     const int64_t n = in.numel();
@@ -296,14 +320,14 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
   if (op < 0 || !dtype) {
     auto out = output, in = input;
     auto o = opts;
-    return delegate(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout,
+    return delegate(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout, !opts.asyncOp,
                     {core::kAllReduceDelegated, 0, 0, nbytes(input), 0},
                     [this, out, in, o]() mutable { return gloo_->_reduce_scatter_base(out, in, o); });
   }
   TORCH_CHECK(op != core::kMean || at::isFloatingType(input.scalar_type()),
               "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", input.scalar_type());
   const at::Tensor in = work_on(input), out = work_on(output);
-  return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout,
+  return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout, !opts.asyncOp,
                 [this, in, out, output, dt = *dtype, op](double t) {
                   transport_->reduce_scatter(ptr(in), ptr(out), out.numel(), dt, op, t);
                   copy_back({output}, {out});
@@ -337,7 +361,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
-  return submit(OpType::BARRIER, {}, opts.timeout, [this](double t) { transport_->barrier(t); });
+  return submit(OpType::BARRIER, {}, opts.timeout, !opts.asyncOp, [this](double t) { transport_->barrier(t); });
 }
 
 // ---- handed to gloo ---------------------------------------------------------------------------------------
@@ -345,7 +369,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>
                                                          const c10d::AllreduceOptions& opts) {
   auto ts = tensors;
   auto o = opts;
-  return delegate(OpType::_ALLREDUCE_SPARSE, tensors, opts.timeout, {core::kAllReduceDelegated, 0, 0, 0, 0},
+  return delegate(OpType::_ALLREDUCE_SPARSE, tensors, opts.timeout, !opts.asyncOp, {core::kAllReduceDelegated, 0, 0, 0, 0},
                   [this, ts, o]() mutable { return gloo_->allreduce_sparse(ts, o); });
 }
 
@@ -353,7 +377,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   auto ts = tensors;
   auto o = opts;
   const int64_t b = tensors.empty() ? 0 : nbytes(tensors[0]);
-  return delegate(OpType::REDUCE, tensors, opts.timeout,
+  return delegate(OpType::REDUCE, tensors, opts.timeout, !opts.asyncOp,
                   {core::kReduce, static_cast<int32_t>(opts.reduceOp.op_), 0, b, static_cast<int32_t>(opts.rootRank)},
                   [this, ts, o]() mutable { return gloo_->reduce(ts, o); });
 }
@@ -366,7 +390,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vec
   auto o = opts;
   int64_t b = 0;
   for (const auto& t : inputs) b += nbytes(t);
-  return delegate(OpType::ALLGATHER_COALESCED, inputs, opts.timeout, {core::kAllGatherCoalesced, 0, 0, b, 0},
+  return delegate(OpType::ALLGATHER_COALESCED, inputs, opts.timeout, !opts.asyncOp, {core::kAllGatherCoalesced, 0, 0, b, 0},
                   [this, out, in, o]() mutable { return gloo_->allgather_coalesced(out, in, o); });
 }
 
@@ -376,7 +400,7 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
   auto in = inputs;
   auto o = opts;
   const int64_t b = inputs.empty() ? 0 : nbytes(inputs[0]);
-  return delegate(OpType::GATHER, inputs, opts.timeout, {core::kGather, 0, 0, b, static_cast<int32_t>(opts.rootRank)},
+  return delegate(OpType::GATHER, inputs, opts.timeout, !opts.asyncOp, {core::kGather, 0, 0, b, static_cast<int32_t>(opts.rootRank)},
                   [this, out, in, o]() mutable { return gloo_->gather(out, in, o); });
 }
 
@@ -387,7 +411,7 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   auto in = inputs;
   auto o = opts;
   const int64_t b = outputs.empty() ? 0 : nbytes(outputs[0]);
-  return delegate(OpType::SCATTER, outputs, opts.timeout,
+  return delegate(OpType::SCATTER, outputs, opts.timeout, !opts.asyncOp,
                   {core::kScatter, 0, 0, b, static_cast<int32_t>(opts.rootRank)},
                   [this, out, in, o]() mutable { return gloo_->scatter(out, in, o); });
 }
@@ -400,7 +424,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
   auto os = output_splits, is = input_splits;
   auto o = opts;
   // Sizes may differ between ranks (uneven splits): the check agrees on the collective only.
-  return delegate(OpType::ALLTOALL_BASE, {output}, opts.timeout, {core::kAllToAll, 0, 0, 0, 0},
+  return delegate(OpType::ALLTOALL_BASE, {output}, opts.timeout, !opts.asyncOp, {core::kAllToAll, 0, 0, 0, 0},
                   [this, out, in, os, is, o]() mutable { return gloo_->alltoall_base(out, in, os, is, o); });
 }
 
@@ -408,7 +432,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
                                                  const c10d::AllToAllOptions& opts) {
   auto out = outputs, in = inputs;
   auto o = opts;
-  return delegate(OpType::ALLTOALL, outputs, opts.timeout, {core::kAllToAll, 0, 0, 0, 0},
+  return delegate(OpType::ALLTOALL, outputs, opts.timeout, !opts.asyncOp, {core::kAllToAll, 0, 0, 0, 0},
                   [this, out, in, o]() mutable { return gloo_->alltoall(out, in, o); });
 }
 
@@ -434,7 +458,7 @@ at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {
   auto keep = std::make_shared<std::shared_ptr<core::shm::Segment>>();
   char* p = nullptr;
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  auto w = submit(OpType::UNKNOWN, {}, std::chrono::milliseconds(-1),
+  auto w = submit(OpType::UNKNOWN, {}, std::chrono::milliseconds(-1), true,
                   [this, keep, &p, bytes](double t) { p = transport_->alloc_buffer(bytes, t, keep.get()); });
   w->wait();
   if (p == nullptr) return at::zeros({numel}, at::TensorOptions().dtype(dtype));

@@ -3,7 +3,9 @@
 //
 // Every collective returns at once with a Work; one worker thread per backend runs them in the order they
 // were called (FIFO, as every rank calls them in the same order), so communication overlaps the caller's
-// computation (DDP's gradient buckets during backward). Work::getFuture() gives the torch Future that DDP's
+// computation (DDP's gradient buckets during backward). A call made with async_op=False, which the caller
+// waits for at once, runs on the caller's thread when nothing is queued before it (same order, no hand-off).
+// Work::getFuture() gives the torch Future that DDP's
 // communication hooks chain on. Native here: allreduce (+ coalesced), broadcast, allgather (+ base and
 // coalesced-into-tensor), reduce_scatter (+ base and coalesced), barrier. Everything else (send / recv,
 // all_to_all, gather, scatter, reduce, and reductions of dtypes or ops our kernels do not take) goes to a gloo
@@ -115,13 +117,16 @@ class Backend final : public c10d::Backend {
     double timeout_s;
     Task task;
   };
+  // Queues `task` (FIFO); `sync` (the caller waits at once, async_op=False) runs it on the caller's thread
+  // when nothing is queued or running.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                        std::chrono::milliseconds timeout, Task task);
+                                        std::chrono::milliseconds timeout, bool sync, Task task);
   // Runs `gloo_op` (a gloo collective) after the ranks agree on `desc` on our transport, in FIFO order.
   c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                          std::chrono::milliseconds timeout, core::CallDesc desc,
+                                          std::chrono::milliseconds timeout, bool sync, core::CallDesc desc,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op);
   double timeout_of(std::chrono::milliseconds t) const;
+  void run(Item& item);
   void loop();
 
   std::unique_ptr<core::Transport> transport_;
@@ -131,6 +136,7 @@ class Backend final : public c10d::Backend {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stop_ = false;
+  bool busy_ = false;  // a task is running (on the worker or inline on a caller's thread)
   std::thread worker_;
 };
 

@@ -188,7 +188,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
     if len(set(hosts)) > 1:
         notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; the HIERARCHICAL row's "
                      f"backend saw {data.get('hierarchical_hosts')} hosts and runs the plan "
-                     f"{data.get('hierarchical_leader_all_reduce')}")
+                     f"{data.get('hierarchical_plan')}")
     load = data.get("load")
     if load:
         notes.append(f"1-minute load average of this machine before/after the run: {load[0]:.2f} / {load[1]:.2f} "
@@ -200,7 +200,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
              f"torch {data.get('torch')})")
     meta = {"packed_seconds": p, "nproc": nproc, "load": load, "machine": data.get("machine"), "hosts": hosts,
             "hierarchical_hosts": data.get("hierarchical_hosts"),
-            "hierarchical_leader_all_reduce": data.get("hierarchical_leader_all_reduce"), "simulate_hosts": sim,
+            "hierarchical_plan": data.get("hierarchical_plan"), "simulate_hosts": sim,
             "rounds": data.get("rounds")}
     return BenchResult(title, COLUMNS, rows, notes, meta)
 

@@ -258,16 +258,16 @@ def main() -> None:
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
     packed = {k: median(v) for k, v in packed_rounds.items()} if packed_case else None
     buffer_bytes = ring.buffer_bytes if ring is not None else None
-    hier_hosts = hier_leader = None
+    hier_hosts = hier_plan = None
     if "hierarchical" in impls:  # what the backend made for HIERARCHICAL: its plan and how many hosts it saw
         target = C.api._target(None, C.CommunicationImplementation.HIERARCHICAL, False)
-        hier_leader, hier_hosts = _C.backend_plan(target.obj)
+        hier_plan, hier_hosts = _C.backend_plan(target.obj)
     if ring is not None:
         ring.close()
     if rank == 0:
         with open(a.json, "w") as f:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
-                       "hierarchical_hosts": hier_hosts, "hierarchical_leader_all_reduce": hier_leader,
+                       "hierarchical_hosts": hier_hosts, "hierarchical_plan": hier_plan,
                        "socket_buffer_bytes": buffer_bytes,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()

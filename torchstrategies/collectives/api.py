@@ -225,43 +225,45 @@ def _translate(exc: BaseException, target: _Target) -> BaseException:
 
 
 # --------------------------------------------------------------------------------------------- all-reduce
-def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any, inplace: bool
+def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any, inplace: bool, sync: bool = True
             ) -> tuple[list[Any], Any, _Target, float, list[torch.Tensor], bool]:
     """Validates, starts the all-reduce (one call per dtype pack) and returns (works, finish, ...)."""
     items, single = _as_list(what, tensors)
     rop = ReduceOp.from_any(op)
     opts = _options(what, options)
     cuda = _device_kind(what, items)
-    for i, t in enumerate(items):
-        if rop is ReduceOp.MEAN and not (t.is_floating_point() or t.is_complex()):
-            raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
-    target = _target(group, opts.implementation, cuda)
-    timeout = _timeout(opts, group)
+    if rop is ReduceOp.MEAN:
+        for i, t in enumerate(items):
+            if not (t.is_floating_point() or t.is_complex()):
+                raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
+    g = topology.resolve(group)
+    target = _target(g, opts.implementation, cuda)
+    timeout = _timeout(opts, g)
     if target.debug:
-        debug.check("all_reduce", rop, items, group, timeout)
+        debug.check("all_reduce", rop, items, g, timeout)
     results = items if inplace else [t.clone(memory_format=torch.contiguous_format) for t in items]
-    world = dist.get_world_size(group)
     td = datetime.timedelta(seconds=timeout)
     works: list[Any] = []
     after: list[Any] = []  # (pack, flat) to copy back on the paths that reduce a packed copy
-    for pack in make_packs(results, opts.bytes_per_pack):
-        members = [results[i] for i in pack.indices]
-        if target.avg:  # ours and NCCL: a list is reduced as one buffer, MEAN is ReduceOp.AVG
-            works.append(_allreduce(target, members, _C10D_OPS[rop], td))
-            continue
-        # gloo: one flat buffer per pack, MEAN as a SUM divided afterwards
-        if len(members) == 1 and members[0].is_contiguous():
-            flat = members[0].view(-1)
+    if target.avg:  # ours and NCCL: a list of one dtype is reduced as one buffer, MEAN is ReduceOp.AVG
+        c10d_op = _C10D_OPS[rop]
+        if len(results) == 1:
+            works.append(_allreduce(target, results, c10d_op, td, sync))
         else:
-            flat = pack.fill(results, None)
+            for pack in make_packs(results, opts.bytes_per_pack):
+                works.append(_allreduce(target, [results[i] for i in pack.indices], c10d_op, td, sync))
+    else:  # gloo: one flat buffer per pack, MEAN as a SUM divided afterwards
         c10d_op = dist.ReduceOp.SUM if rop is ReduceOp.MEAN else _C10D_OPS[rop]
-        works.append(target.obj.allreduce(flat, c10d_op, td))
-        after.append((pack, flat))
+        for pack in make_packs(results, opts.bytes_per_pack):
+            first = results[pack.indices[0]]
+            flat = first.view(-1) if len(pack.indices) == 1 and first.is_contiguous() else pack.fill(results, None)
+            works.append(_allreduce(target, [flat], c10d_op, td, sync))
+            after.append((pack, flat))
 
     def finish() -> None:
         for pack, flat in after:
-            if rop is ReduceOp.MEAN and not target.avg:
-                flat.div_(world)
+            if rop is ReduceOp.MEAN:
+                flat.div_(dist.get_world_size(g))
             if pack.flat is not None:
                 with torch.no_grad():
                     pack.copy_back(results)
@@ -269,13 +271,31 @@ def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any,
     return works, finish, target, timeout, results, single
 
 
-def _allreduce(target: _Target, members: list[torch.Tensor], op: Any, td: datetime.timedelta) -> Any:
+_OPTS: dict[tuple[Any, ...], Any] = {}  # c10d option objects by (kind, op or root, timeout, sync)
+
+
+def _c10d_options(kind: Any, td: datetime.timedelta, sync: bool, op: Any = None, root: int = 0) -> Any:
+    """A c10d options object (made once per distinct value): ``sync`` (async_op=False) lets the
+    torchstrategies backend run the call on this thread."""
+    key = (kind, op, root, td, sync)
+    opts = _OPTS.get(key)
+    if opts is None:
+        opts = kind()
+        opts.timeout = td
+        opts.asyncOp = not sync
+        if op is not None:
+            opts.reduceOp = op
+        if kind is dist.BroadcastOptions:
+            opts.rootRank = root
+        if len(_OPTS) < 512:
+            _OPTS[key] = opts
+    return opts
+
+
+def _allreduce(target: _Target, members: list[torch.Tensor], op: Any, td: datetime.timedelta, sync: bool) -> Any:
     if len(members) == 1:
-        return target.obj.allreduce(members[0], op, td)
-    opts = dist.AllreduceCoalescedOptions()
-    opts.reduceOp = op
-    opts.timeout = td
-    return target.obj.allreduce_coalesced(members, opts)
+        return target.obj.allreduce(members, _c10d_options(dist.AllreduceOptions, td, sync, op))
+    return target.obj.allreduce_coalesced(members, _c10d_options(dist.AllreduceCoalescedOptions, td, sync, op))
 
 
 def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
@@ -321,7 +341,8 @@ def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, g
     collective's documented error. Calls on one group run in the order they were started, on the
     backend's own thread. Don't touch ``tensors`` until ``wait()`` returns.
     """
-    works, finish, target, _, results, single = _launch("all_reduce_async", tensors, op, group, options, True)
+    works, finish, target, _, results, single = _launch("all_reduce_async", tensors, op, group, options, True,
+                                                        sync=False)
     futs = [w.get_future() for w in works]
     result: torch.futures.Future[Any] = torch.futures.Future()
 
@@ -354,8 +375,7 @@ def all_gather(tensor: torch.Tensor, group: Any = None, options: CommunicationOp
         debug.check("all_gather", None, [t], group, timeout)
     world = dist.get_world_size(group)
     out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
-    gopts = dist.distributed_c10d.AllgatherOptions()
-    gopts.timeout = datetime.timedelta(seconds=timeout)
+    gopts = _c10d_options(dist.distributed_c10d.AllgatherOptions, datetime.timedelta(seconds=timeout), True)
     _wait(target.obj._allgather_base(out.view(-1), t.view(-1), gopts), target, timeout, "all_gather", group)
     if t.dim() == 0:
         return out
@@ -376,8 +396,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
     if target.debug:
         debug.check("broadcast", src, [t], group, timeout)
     work = t if t.is_contiguous() else t.contiguous()
-    _wait(target.obj.broadcast(work, src, datetime.timedelta(seconds=timeout)), target, timeout, "broadcast",
-          group)
+    bopts = _c10d_options(dist.BroadcastOptions, datetime.timedelta(seconds=timeout), True, root=src)
+    _wait(target.obj.broadcast([work], bopts), target, timeout, "broadcast", group)
     if work is not t:
         t.copy_(work)
     return t
