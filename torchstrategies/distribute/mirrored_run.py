@@ -230,11 +230,14 @@ class _Run:
         self.views.enter(r.index)
         try:
             w.go.release()
-            if not w.back.acquire(timeout=-1 if self.timeout is None else self.timeout):
-                r.worker = None  # still running its code: never reused
-                raise self.fail(DeadlineExceededError(
-                    f"Replica {r.index} neither finished nor reached merge_call within {self.timeout} s"
-                ))
+            try:
+                if not w.back.acquire(timeout=-1 if self.timeout is None else self.timeout):
+                    raise self.fail(DeadlineExceededError(
+                        f"Replica {r.index} neither finished nor reached merge_call within {self.timeout} s"
+                    ))
+            except BaseException:  # (also KeyboardInterrupt while it runs)
+                r.worker = None  # it still runs its code: never reused
+                raise
         finally:
             self.views.leave()
         if r.exc is not None:
