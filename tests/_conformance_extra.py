@@ -69,6 +69,18 @@ def _loop(runner: Any, step_fn: Any, batch: Any) -> None:
         runner.run(step_fn, *runner.split(*batch(step)), step)
 
 
+def _train_step(opt: torch.optim.Optimizer, order: str, loss: Any, after_step: Any = None) -> None:
+    """zero_grad ("before" backward or "after" the step), ``loss().backward()``, the step, ``after_step()``."""
+    if order == "before":
+        opt.zero_grad()
+    loss().backward()
+    opt.step()
+    if after_step is not None:
+        after_step()
+    if order == "after":
+        opt.zero_grad()
+
+
 def _unused_branch(workload: str, runner: Any, order: str) -> dict[str, torch.Tensor]:
     with runner.scope():
         a, b = _mlp(), _mlp()
@@ -79,13 +91,11 @@ def _unused_branch(workload: str, runner: Any, order: str) -> dict[str, torch.Te
             opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
 
     def step_fn(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt.zero_grad()
-        out = a(x) + (b(x) if step == 0 else 0)  # b only in the first step
-        runner.loss(F.cross_entropy(out, y, reduction="none")).backward()
-        opt.step()
-        if order == "after":
-            opt.zero_grad()
+        def loss() -> torch.Tensor:
+            out = a(x) + (b(x) if step == 0 else 0)  # b only in the first step
+            return runner.loss(F.cross_entropy(out, y, reduction="none"))
+
+        _train_step(opt, order, loss)
 
     _loop(runner, step_fn, _data)
     return _state(a=a, b=b)
@@ -100,19 +110,18 @@ def _ema_teacher(workload: str, runner: Any, order: str) -> dict[str, torch.Tens
         p.requires_grad_(False)
 
     def step_fn(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt.zero_grad()
-        out = student(x)
-        with torch.no_grad():
-            target = teacher(x).softmax(1)
-        per_example = F.cross_entropy(out, y, reduction="none") + (out.softmax(1) - target).pow(2).sum(1)
-        runner.loss(per_example).backward()
-        opt.step()
-        with torch.no_grad():  # the mean teacher follows the student, once per step
+        def loss() -> torch.Tensor:
+            out = student(x)
+            with torch.no_grad():
+                target = teacher(x).softmax(1)
+            return runner.loss(F.cross_entropy(out, y, reduction="none") + (out.softmax(1) - target).pow(2).sum(1))
+
+        @torch.no_grad()
+        def follow() -> None:  # the mean teacher follows the student, once per step
             for tp, sp in zip(teacher.parameters(), student.parameters()):
                 tp.mul_(0.9).add_(sp, alpha=0.1)
-        if order == "after":
-            opt.zero_grad()
+
+        _train_step(opt, order, loss, follow)
 
     _loop(runner, step_fn, _data)
     return _state(student=student, teacher=teacher)
@@ -125,13 +134,8 @@ def _averaged_model(workload: str, runner: Any, order: str) -> dict[str, torch.T
         opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step_fn(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt.zero_grad()
-        runner.loss(F.cross_entropy(model(x), y, reduction="none")).backward()
-        opt.step()
-        swa.update_parameters(model)
-        if order == "after":
-            opt.zero_grad()
+        _train_step(opt, order, lambda: runner.loss(F.cross_entropy(model(x), y, reduction="none")),
+                    lambda: swa.update_parameters(model))
 
     _loop(runner, step_fn, _data)
     return _state(model=model, swa=swa)
@@ -153,18 +157,8 @@ def _gan(workload: str, runner: Any, order: str) -> dict[str, torch.Tensor]:
         return runner.loss(per_example.sum(1))
 
     def step_fn(real: torch.Tensor, z: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt_d.zero_grad()
-        (bce(disc(real), 1.0) + bce(disc(gen(z).detach()), 0.0)).backward()
-        opt_d.step()
-        if order == "after":
-            opt_d.zero_grad()
-        if order == "before":
-            opt_g.zero_grad()
-        bce(disc(gen(z)), 1.0).backward()  # (also leaves gradients in disc, as on one device)
-        opt_g.step()
-        if order == "after":
-            opt_g.zero_grad()
+        _train_step(opt_d, order, lambda: bce(disc(real), 1.0) + bce(disc(gen(z).detach()), 0.0))
+        _train_step(opt_g, order, lambda: bce(disc(gen(z)), 1.0))  # (also leaves gradients in disc)
 
     _loop(runner, step_fn, batch)
     return _state(gen=gen, disc=disc)
@@ -178,13 +172,11 @@ def _grad_checkpointing(workload: str, runner: Any, order: str) -> dict[str, tor
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
     def step_fn(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt.zero_grad()
-        h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        runner.loss(F.cross_entropy(head(h), y, reduction="none")).backward()
-        opt.step()
-        if order == "after":
-            opt.zero_grad()
+        def loss() -> torch.Tensor:
+            h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            return runner.loss(F.cross_entropy(head(h), y, reduction="none"))
+
+        _train_step(opt, order, loss)
 
     _loop(runner, step_fn, _data)
     return _state(model=model)
@@ -215,13 +207,7 @@ def _lstm_packed(workload: str, runner: Any, order: str) -> dict[str, torch.Tens
         return x, lengths, torch.randint(0, 2, (B,), generator=g)
 
     def step_fn(x: torch.Tensor, lengths: torch.Tensor, y: torch.Tensor, step: int) -> None:
-        if order == "before":
-            opt.zero_grad()
-        runner.loss(F.cross_entropy(model(x, lengths), y, reduction="none")).backward()
-        opt.step()
-        if order == "after":
-            opt.zero_grad()
+        _train_step(opt, order, lambda: runner.loss(F.cross_entropy(model(x, lengths), y, reduction="none")))
 
-    for step in range(STEPS):
-        runner.run(step_fn, *runner.split(*batch(step)), step)
+    _loop(runner, step_fn, batch)
     return _state(model=model)
