@@ -90,6 +90,12 @@ def _everything_through_one_group(rank, world):
     out["batches"] = len(list(s.experimental_distribute_dataset(loader)))
     with tempfile.TemporaryDirectory() as d:
         Checkpoint(model=bn, step=1).save(os.path.join(d, "c.pt"))  # buffer means + barrier
+    before = len(log)  # bytes_per_pack (the strategy's, or a call's own) cuts the packs: one call per pack
+    s.extended.batch_reduce_to("sum", [(x, "cpu"), (x, "cpu")], options=ts.CommunicationOptions(bytes_per_pack=8))
+    out["calls_8_byte_packs"] = len(log) - before
+    before = len(log)
+    s.extended.batch_reduce_to("sum", [(x, "cpu"), (x, "cpu")])
+    out["calls_one_pack"] = len(log) - before
     ours = list(log)
     per_call_groups = []
     for impl in ("GLOO", "GLOO", "AUTO"):
@@ -123,6 +129,7 @@ def test_every_cross_worker_call_goes_through_the_strategys_one_process_group():
         assert out["batch"] == [[1.5, 2.0], [3.0, 4.0]]
         assert out["ctx"] == 2.0
         assert out["batches"] == 2
+        assert (out["calls_8_byte_packs"], out["calls_one_pack"]) == (2, 1)
         # a call's own implementation gets a group of that kind, made once; the strategy's own serves AUTO
         assert out["gloo_call_group_backend"] == "gloo"
         assert out["gloo_group_made_once"] and out["auto_call_group_is_strategy_group"]

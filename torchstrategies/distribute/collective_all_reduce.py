@@ -44,14 +44,21 @@ def _make_group(options: CommunicationOptions) -> dist.ProcessGroup:
     """THE one function that makes the process group a MultiWorkerMirroredStrategy talks through.
 
     A collective call (every rank of the default group calls it, in the same order). Stand-in until the
-    ``"torchstrategies"`` backend lands: a gloo group (NCCL for ``implementation=NCCL``). At that point this
-    body becomes ``return collectives.new_group(options)``, which maps AUTO/SHM/RING/HIERARCHICAL to a group
-    on our backend, GLOO to gloo and NCCL to nccl; nothing else in the strategy changes.
+    ``"torchstrategies"`` backend lands: a gloo group (nccl for NCCL; AUTO on a CUDA machine gives CUDA
+    tensors to nccl). At that point this body becomes ``return collectives.new_group(options)``, which maps
+    AUTO/SHM/RING/HIERARCHICAL to a group on our backend, GLOO to gloo and NCCL to nccl; nothing else in the
+    strategy changes.
     """
     timeout = None
     if options.timeout_seconds is not None:
         timeout = datetime.timedelta(seconds=float(options.timeout_seconds))
-    backend = "nccl" if options.implementation is CommunicationImplementation.NCCL else "gloo"
+    impl = options.implementation
+    if impl is CommunicationImplementation.NCCL:
+        backend = "nccl"
+    elif impl is CommunicationImplementation.AUTO and torch.cuda.is_available():
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
     return dist.new_group(backend=backend, timeout=timeout)
 
 
