@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "GradientSynchronizer", "Hook", "allreduce_hook", "CompressionHook"]
+__all__ = ["GradBucket", "GradientSynchronizer", "Synchronizers", "Hook", "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
@@ -383,3 +383,53 @@ class GradientSynchronizer:
             self.num_reductions += 1
         self._local_pending = False
         self._state = _REDUCED
+
+
+class Synchronizers:
+    """A strategy's gradient synchronizers, in creation order (the order their collectives start in before a
+    step); one whose parameters are all gone is forgotten. :meth:`before_step` is the optimizer pre-hook."""
+
+    def __init__(self) -> None:
+        self._list: list[GradientSynchronizer] = []
+        self._generation = 0  # bumped on every change, so an optimizer's cached lookup is redone
+
+    def add(self, sync: GradientSynchronizer) -> None:
+        self._list = self.live() + [sync]
+        self._generation += 1
+
+    def live(self) -> list[GradientSynchronizer]:
+        live = [s for s in self._list if s.alive]
+        if len(live) != len(self._list):
+            self._list = live
+            self._generation += 1
+        return live
+
+    def for_optimizer(self, optimizer: torch.optim.Optimizer) -> list[GradientSynchronizer]:
+        """The synchronizers that own some of ``optimizer``'s parameters (cached on the optimizer)."""
+        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
+        if cache is not None and cache[0] is self and cache[1] == self._generation:
+            return cache[2]
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        found = [s for s in self.live() if any(id(p) in ids for p in s.params)]
+        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found)  # type: ignore[attr-defined]
+        return found
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``register_optimizer_step_pre_hook``: reduce what ``no_sync`` left pending, wait for the rest."""
+        for s in self.for_optimizer(optimizer):
+            s.before_step()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for s in self.live():
+                stack.enter_context(s.no_sync())
+            yield
+
+    def set_hook(self, hook: Hook) -> None:
+        for s in self.live():
+            s.set_hook(hook)
+
+    def close(self) -> None:
+        for s in self.live():
+            s.close()

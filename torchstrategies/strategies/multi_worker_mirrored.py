@@ -54,6 +54,7 @@ from torchstrategies.strategies._grad_sync import (
     GradBucket,
     GradientSynchronizer,
     Hook,
+    Synchronizers,
     allreduce_hook,
 )
 from torchstrategies.strategies._health import HealthMonitor
@@ -158,14 +159,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             except Exception:  # noqa: BLE001 - heartbeats are diagnostics only
                 pass
         self._health = HealthMonitor(store, self._rank, self._world)
-        # Synchronizers in creation order (the order their collectives are launched in before a step); one
-        # whose parameters are all gone is dropped.
-        self._synchronizers: list[GradientSynchronizer] = []
-        self._generation = 0
+        self._synchronizers = Synchronizers()
         self._comm_hook: Hook | None = None if self._compression is None else CompressionHook(self._compression)
         # Tensors already broadcast, by identity that dies with them (an id() would be reused by a new one).
         self._synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._hooks = [register_optimizer_step_pre_hook(self._before_step)]
+        self._hooks = [register_optimizer_step_pre_hook(self._synchronizers.before_step)]
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)
@@ -225,8 +223,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         _LIVE.discard(self)
         for h in self._hooks:
             h.remove()
-        for s in self._live_synchronizers():
-            s.close()
+        self._synchronizers.close()
         self._health.stop()
         if dist.is_initialized():
             for g in self._cross_device_ops.owned_groups:
@@ -295,30 +292,9 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         if trainable:
             sync = GradientSynchronizer(trainable, self.process_group, self._options.bytes_per_pack,
                                         self._comm_hook, self._health)
-            self._synchronizers = self._live_synchronizers() + [sync]
-            self._generation += 1
+            self._synchronizers.add(sync)
         for t in itertools.chain(params, buffers):
             self._synced[t] = True
-
-    def _live_synchronizers(self) -> list[GradientSynchronizer]:
-        live = [s for s in self._synchronizers if s.alive]
-        if len(live) != len(self._synchronizers):
-            self._synchronizers = live
-            self._generation += 1
-        return live
-
-    def _synchronizers_for(self, optimizer: torch.optim.Optimizer) -> list[GradientSynchronizer]:
-        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
-        if cache is not None and cache[0] is self and cache[1] == self._generation:
-            return cache[2]
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        found = [s for s in self._live_synchronizers() if any(id(p) in ids for p in s.params)]
-        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found)  # type: ignore[attr-defined]
-        return found
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for s in self._synchronizers_for(optimizer):
-            s.before_step()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -329,9 +305,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             ...     loss_fn(model, batch_1).backward()
             >>> loss_fn(model, batch_2).backward()      # reduces the sum of both  # doctest: +SKIP
         """
-        with contextlib.ExitStack() as stack:
-            for s in self._live_synchronizers():
-                stack.enter_context(s.no_sync())
+        with self._synchronizers.no_sync():
             yield
 
     def register_comm_hook(self, hook: Hook) -> None:
@@ -349,12 +323,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = hook
-        for s in self._live_synchronizers():
-            s.set_hook(hook)
+        self._synchronizers.set_hook(hook)
 
     @property
     def gradient_synchronizers(self) -> tuple[GradientSynchronizer, ...]:
-        return tuple(self._live_synchronizers())
+        return tuple(self._synchronizers.live())
 
     # --- communication: every call goes through the strategy's process group ------------------------------
     def _guard(self, fn: Callable[[], Any], what: str) -> Any:
