@@ -52,11 +52,11 @@ def _everything_through_one_group(rank, world):
     from torchstrategies.checkpoint import Checkpoint
     from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy, allreduce_hook
 
+    s = MultiWorkerMirroredStrategy()  # makes its group (how the group is set up is the backend's business)
+    group = s.extended.process_group
     log: list = []
     _record_dist_calls(log)
     _forbid_our_collectives()
-    s = MultiWorkerMirroredStrategy()
-    group = s.extended.process_group
     out = {"backend": dist.get_backend(group), "not_world": group is not dist.group.WORLD}
 
     seen = []
@@ -101,7 +101,7 @@ def _everything_through_one_group(rank, world):
     for impl in ("GLOO", "GLOO", "AUTO"):
         before = len(log)
         s.extended.reduce_to("sum", x, "cpu", options=ts.CommunicationOptions(implementation=impl))
-        per_call_groups.extend(g for _, g in log[before:])
+        per_call_groups.append([g for n, g in log[before:] if n == "all_reduce"][-1])
     out["gloo_call_group_backend"] = dist.get_backend(per_call_groups[0])
     out["gloo_call_group_is_strategy_group"] = per_call_groups[0] is group
     out["gloo_group_made_once"] = per_call_groups[0] is per_call_groups[1]
