@@ -54,8 +54,9 @@ _C10D_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.AVG, 
 def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] | None = None) -> Any:
     """A process group for ``options.implementation`` (collective over the world, like ``dist.new_group``).
 
-    AUTO, SHM, RING, HIERARCHICAL: a group on the ``"torchstrategies"`` backend running that implementation;
-    GLOO: a gloo group; NCCL: an NCCL group. ``options.timeout_seconds`` (None: the world group's timeout)
+    AUTO, SHM, RING, HIERARCHICAL: a group on the ``"torchstrategies"`` backend running that implementation
+    (AUTO on a machine with CUDA: ``"cpu:torchstrategies,cuda:nccl"``, CUDA tensors go to NCCL); GLOO: a gloo
+    group; NCCL: an NCCL group. ``options.timeout_seconds`` (None: the world group's timeout)
     bounds every collective of the group.
 
     Args:
@@ -77,6 +78,9 @@ def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] 
         return dist.new_group(members, timeout=timeout, backend="gloo")
     if opts.implementation is Impl.NCCL:
         return dist.new_group(members, timeout=timeout, backend="nccl")
+    if opts.implementation is Impl.AUTO and torch.cuda.is_available():
+        # CUDA tensors to NCCL, CPU ones to ours (AUTO: no options object, which NCCL's creator would refuse)
+        return dist.new_group(members, timeout=timeout, backend=f"cpu:{_backend.BACKEND},cuda:nccl")
     return dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
                           pg_options=_backend.BackendOptions(opts.implementation, seconds))
 
