@@ -13,6 +13,7 @@ Example (every rank, under torchrun):
 
 from __future__ import annotations
 
+from torchstrategies.collectives._common import from_backend_error
 from torchstrategies.collectives.api import (
     all_gather,
     all_reduce,
@@ -40,5 +41,6 @@ __all__ = [
     "broadcast",
     "buffer",
     "choose",
+    "from_backend_error",
     "new_group",
 ]
