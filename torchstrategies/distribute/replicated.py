@@ -111,6 +111,8 @@ class ReplicatedTensors:
         if not end:
             return
         owned = self.views.owned_components()
+        if not owned:
+            return
         means = [(t, comps) for t, comps in owned if len(comps) > 1 and _averaged(t)]
         averaged = {}
         if means:
