@@ -9,6 +9,7 @@ same order whatever range holds it: results must be equal bit for bit at 1, 2, 3
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import reference as ref
@@ -155,3 +156,74 @@ def test_out_aliasing_an_input_is_bit_identical_for_every_thread_count(dtype: to
                 return ys[k]
 
             assert torch.equal(bits(same_bits_at_every_thread_count(run)), bits(want)), (n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64], ids=str)
+def test_accumulate_inplace_noncontiguous_and_aliased_is_bit_identical_for_every_thread_count(
+        dtype: torch.dtype) -> None:
+    xs = make(9, (SIDE, SIDE), dtype, seed=2)
+    want = ref.sequential_sum(xs)
+
+    def noncontiguous() -> torch.Tensor:
+        dst = every_other_column(xs[0])  # non-contiguous dst, inputs transposed views
+        ts.ops.accumulate_(dst, [x.t().contiguous().t() for x in xs[1:]])
+        return dst
+
+    def dst_among_inputs() -> torch.Tensor:  # dst + dst + x2 + ...: dst read before it is written
+        dst = xs[0].clone()
+        ts.ops.accumulate_(dst, [dst, *xs[2:]])
+        return dst
+
+    assert torch.equal(bits(same_bits_at_every_thread_count(noncontiguous)), bits(want))
+    doubled = ref.sequential_sum([xs[0], xs[0], *xs[2:]])
+    assert torch.equal(bits(same_bits_at_every_thread_count(dst_among_inputs)), bits(doubled))
+
+
+def test_mirrored_gradient_sum_runs_the_split_kernel_at_torchs_thread_count(monkeypatch) -> None:
+    """MirroredStrategy sums the replicas' gradients with ops.accumulate_n (its default
+    ReductionToOneDevice): on the scheduling thread, at torch's thread count, so a large gradient is
+    split over the pool, and the summed gradient has the same bits at every thread count."""
+    seen: list[tuple[int, int]] = []
+    real = ts.ops.accumulate_n
+
+    def spy(tensors, *args, **kwargs):
+        seen.append((torch.get_num_threads(), len(C.reduce_ranges(tensors[0].numel()))))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(ts.ops, "accumulate_n", spy)
+    x = torch.randn(6, SIDE, generator=torch.Generator().manual_seed(3))
+
+    def gradient() -> torch.Tensor:
+        strategy = ts.MirroredStrategy(num_replicas=3)
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(SIDE, SIDE, bias=False)  # SIDE * SIDE elements: four grains and more
+
+        def step(batch: torch.Tensor) -> None:
+            model(batch).square().sum().backward()
+
+        for batch in strategy.experimental_distribute_dataset([x]):
+            strategy.run(step, args=(batch,))
+        assert model.weight.grad is not None
+        return model.weight.grad
+
+    for threads in THREADS:
+        seen.clear()
+        torch.set_num_threads(threads)
+        grad = gradient()
+        assert seen == [(threads, threads)], seen  # one sum, cut into one range per pool thread
+    same_bits_at_every_thread_count(gradient)
+    torch.manual_seed(0)
+    one = torch.nn.Linear(SIDE, SIDE, bias=False)
+    one(x).square().sum().backward()
+    torch.testing.assert_close(grad, one.weight.grad)
+
+
+def test_only_the_torch_ops_split_over_threads() -> None:
+    """The transports (SHM, ring; csrc/core) reduce on the rank's own thread: under MWMS one rank per core
+    already fills the host, so a pool per rank would oversubscribe (docs/kernels.md, Threads). The build
+    has -fopenmp, so an OpenMP pragma or at::parallel_for anywhere else in csrc would start threads there."""
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    splitting = sorted(str(f.relative_to(csrc)) for f in csrc.rglob("*") if f.suffix in {".cpp", ".h", ".cu"}
+                       and any(w in f.read_text() for w in ("#pragma omp", "parallel_for(", "omp_set", "omp_get")))
+    assert splitting == ["cpu/reduce_cpu.cpp"]
