@@ -8,8 +8,8 @@
 // one per pool thread, so torch.set_num_threads decides. Called from inside a parallel region (another
 // at::parallel_for, an OpenMP thread) it runs on the calling thread. Every element is summed by the same
 // serial code in the same order whatever range holds it, so the result is bit-identical for every
-// thread count. (The shared-memory all-reduce calls core::reduce_range itself, on one thread: one rank
-// per core; see docs/kernels.md.)
+// thread count. (The backend's transports reduce through core::combine, which calls core::reduce_range
+// on the rank's one thread: one rank per core under MWMS; see docs/kernels.md, Threads.)
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
