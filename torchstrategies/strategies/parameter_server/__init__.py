@@ -4,8 +4,9 @@ See docs/parameter_server.md. Layout: ``strategy.py`` (the chief's strategy and 
 (placement, module/optimizer references), ``coordinator.py`` + ``closure_queue.py`` (scheduling, TF's error
 contract), ``remote_value.py``, ``server.py`` (ps/worker tasks), ``ps_service.py`` (a ps's shards and
 optimizers), ``worker_runtime.py`` (pull/compute/push on a worker), ``transport.py`` (gRPC services, one
-channel per pair of tasks, signed TCPStore rendezvous), ``wire.py`` (the versioned message schema),
-``auth.py`` (job secret, mutual TLS, call tokens, signed addresses).
+channel per pair of tasks), ``rendezvous.py`` (signed, fresh addresses in a TCPStore), ``wire.py`` (the
+versioned message schema), ``auth.py`` (job secret, mutual TLS, signatures), ``session.py`` (the handshake
+and single-use MACs).
 """
 
 from torchstrategies.strategies.parameter_server.coordinator import (

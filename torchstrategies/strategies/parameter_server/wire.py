@@ -1,6 +1,7 @@
 """The parameter server's message schema: a small, versioned, explicit binary format (no pickle).
 
-Every gRPC request and reply body of the ps, worker and control services is one message::
+Every gRPC request and reply body of the ps, worker and control services is a 48-byte authentication frame
+(``session.py``: a sequence number, the length of the part it covers, a MAC) followed by one message::
 
     offset 0   b"TSPS"             magic
     offset 4   u16 version         (VERSION; a reader rejects any other)
@@ -16,7 +17,7 @@ Why this and not protobuf messages: the headers differ per request (a push lists
 exec carries blobs) and are a few hundred bytes, while the tensors are most of the bytes; a protobuf
 ``bytes`` field would copy each tensor once more, and the generated classes would add a codegen step for
 no extra checking. The gRPC methods use generic handlers that hand us the raw request bytes, so nothing is
-parsed before the authentication check (see ``auth.py``), and :func:`decode` checks every length against
+parsed before the authentication checks (see ``session.py``), and :func:`decode` checks every length against
 the bytes actually received (already bounded by gRPC's ``max_receive_message_length``) before it slices or
 allocates anything. JSON parsing never runs code; dtypes come from an allow-list.
 """
