@@ -175,6 +175,8 @@ def _stream(address: str, path: str, credential: str | None, message: bytes) -> 
 
 @pytest.mark.timeout(60)
 def test_streams_are_authenticated_and_authorised_before_a_request_is_read(served):
+    import grpc
+
     from torchstrategies.errors import UnavailableError
     from torchstrategies.strategies.parameter_server import wire
     from torchstrategies.strategies.parameter_server.session import Session
@@ -202,6 +204,12 @@ def test_streams_are_authenticated_and_authorised_before_a_request_is_read(serve
     # A fresh credential opens the stream, but a message must carry its own single-use MAC.
     for message in (body, setup, wire.encode({"op": "setup"}, seal=stranger.sealer(1))):
         assert _stream(served.address, path, chief._credential(path)[0][1], message) == "UNAUTHENTICATED"
+    # A unary request's body names its method, under the MAC: moved to another method, it is refused.
+    pull = wire.encode({"op": "pull"}, seal=chief._session.sealer(chief._session.next_seq()))
+    with grpc.insecure_channel(served.address) as ch:
+        reply = ch.unary_unary("/torchstrategies.ps.v1.ParameterServer/Push")(
+            pull, metadata=chief._credential("/torchstrategies.ps.v1.ParameterServer/Push"), timeout=10)
+    assert "'pull' request arrived on the 'push' method" in wire.decode(reply, offset=48)[0]["error_message"]
     assert served.ran == before  # nothing reached the handler
     task.close()
     chief.close()

@@ -203,14 +203,22 @@ class ParameterServerStrategy(Strategy):
                timeout: float | None = None) -> RpcClient:
         client = RpcClient(address, name, timeout or self._timeout, self._auth, CHIEF, instance=instance,
                            hello={"op": "hello"})
-        if watch:
-            client.watch()
+        try:
+            if watch:
+                client.watch()
+        except BaseException:
+            client.close()
+            raise
         return client
 
     def _connect_worker(self, index: int, address: str, instance: str) -> RpcClient:
         client = self._hello(address, f"worker:{index}", instance)
-        client.call({"op": "setup", "ps": self._ps_entries, "worker_index": index,
-                     "num_workers": self._num_workers, "timeout": self._timeout})
+        try:
+            client.call({"op": "setup", "ps": self._ps_entries, "worker_index": index,
+                         "num_workers": self._num_workers, "timeout": self._timeout})
+        except BaseException:
+            client.close()
+            raise
         return client
 
     def _ps_call(self, ps: int, header: dict, tensors):

@@ -361,7 +361,8 @@ class RpcServer:
                     raise ValueError(f"{op!r} is not a method of the {service} service")
                 if _PATH[op] in _CHIEF_ONLY and session.role != CHIEF:
                     raise PermissionError(f"{_PATH[op]} is for the chief only")
-            header["op"] = op
+            elif header.get("op") != op:  # the MAC covers the header's op: a body moved to another method
+                raise ValueError(f"a {header.get('op')!r} request arrived on the {op!r} method")
 
             def encode(reply: dict, out: list[torch.Tensor]) -> bytes:
                 return wire.encode({"ok": True, **reply}, out, seal=seal)
@@ -442,11 +443,19 @@ class RpcClient:
         tune_malloc()
         self._channel = self._new_channel(address, auth, _options(False))
         self._watch_call = None
-        self._session = self._handshake(auth, role, timeout)
+        try:
+            self._session = self._handshake(auth, role, timeout)
+        except BaseException:
+            self._channel.close()
+            raise
         self._stubs = {op: self._channel.unary_unary(path) for op, path in _PATH.items()}
         self._streams = StreamPool(self._channel, self._credential)
         if hello is not None:
-            self.call(hello)
+            try:
+                self.call(hello)
+            except BaseException:
+                self.close()
+                raise
 
     @staticmethod
     def _new_channel(address: str, auth: JobAuth, opts: list[tuple[str, Any]]) -> grpc.Channel:
