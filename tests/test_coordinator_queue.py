@@ -154,7 +154,7 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
 
 def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
     from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
+    from torchstrategies.strategies.parameter_server.client import RpcClient
 
     store, server = _in_process_server("ps", lease_timeout=1.0)
     address = store.get(f"{store_prefix()}/addr/ps/0").decode().split("|")[0]
@@ -167,7 +167,7 @@ def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
 
 def test_server_join_returns_after_shutdown_and_raises_when_the_chief_disconnects():
     from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
+    from torchstrategies.strategies.parameter_server.client import RpcClient
 
     store, server = _in_process_server("worker", lease_timeout=30.0)
     address = store.get(f"{store_prefix()}/addr/worker/0").decode().split("|")[0]

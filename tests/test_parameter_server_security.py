@@ -37,7 +37,7 @@ def _listening(pid: int) -> list[str]:
 def _credentials(address: str, name: str, instance: str, auth) -> dict:
     """Single-use credentials and sealed messages for the attacker, made with a chief's and a worker's session
     to ``name``: what a peer of the job (or a stranger who somehow got one) could send."""
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
+    from torchstrategies.strategies.parameter_server.client import RpcClient
 
     paths = {m: f"/torchstrategies.ps.v1.{m}" for m in ("Worker/Exec", "ParameterServer/CreateOptimizer",
                                                        "Worker/Stream", "ParameterServer/Stream",
@@ -68,8 +68,8 @@ def _chief(strategy, pid_dir, marker):
 
     from torchstrategies.errors import UnavailableError
     from torchstrategies.strategies.parameter_server.auth import TASK
+    from torchstrategies.strategies.parameter_server.client import RpcClient
     from torchstrategies.strategies.parameter_server.rendezvous import entry_key
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -374,8 +374,8 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     from torchstrategies.errors import UnavailableError
     from torchstrategies.strategies.parameter_server import Server
     from torchstrategies.strategies.parameter_server.auth import CHIEF
+    from torchstrategies.strategies.parameter_server.client import RpcClient
     from torchstrategies.strategies.parameter_server.rendezvous import store_prefix
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
 
     job, stranger = _certs(str(tmp_path), "job"), _certs(str(tmp_path), "stranger")
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)

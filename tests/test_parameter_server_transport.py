@@ -81,7 +81,7 @@ class _Served:
         self.address = f"127.0.0.1:{self.server.port}"
 
     def client(self, role="task", timeout=10.0, auth=None, instance="instance-1"):
-        from torchstrategies.strategies.parameter_server.transport import RpcClient
+        from torchstrategies.strategies.parameter_server.client import RpcClient
 
         return RpcClient(self.address, "ps:0", timeout, auth or self.auth, role, instance=instance,
                          hello={"op": "hello"})
@@ -241,7 +241,8 @@ def test_every_watch_stream_end_is_reported_even_when_the_client_cancels_at_once
     import threading
 
     from torchstrategies.strategies.parameter_server.auth import JobAuth
-    from torchstrategies.strategies.parameter_server.transport import RpcClient, RpcServer
+    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.strategies.parameter_server.transport import RpcServer
 
     auth = JobAuth(SECRET)
     ended = threading.Semaphore(0)

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
 from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.transport import RemoteError, RpcClient
+from torchstrategies.strategies.parameter_server.transport import RemoteError
 
 __all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerDatasetIterator"]
 

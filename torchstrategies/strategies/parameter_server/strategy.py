@@ -22,9 +22,10 @@ from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
 from torchstrategies.strategies.parameter_server.base import ParameterServerExtended
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.registry import Registry
 from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, connect_store, entry_key
-from torchstrategies.strategies.parameter_server.transport import RemoteError, RpcClient
+from torchstrategies.strategies.parameter_server.transport import RemoteError
 
 __all__ = ["ParameterServerStrategy"]
 

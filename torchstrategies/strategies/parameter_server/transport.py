@@ -22,13 +22,14 @@ body), and every request and reply message a single-use MAC over its header and 
 message is decoded).
 
 ``ParameterServer/Stream`` and ``Worker/Stream`` carry the same requests on long-lived bidirectional streams,
-one request and its reply at a time (:mod:`streams`): this is what :class:`RpcClient` uses for every
+one request and its reply at a time (:mod:`streams`): this is what ``client.RpcClient`` uses for every
 ParameterServer and Worker method, so a training step pays gRPC's per-call set-up only once per stream.
 A stream is authenticated when it opens, by the same interceptor and before any of its messages is read;
 each message names its method (``op``), which the server checks against the stream's service and the
 caller's role (a chief-only method from a worker's stream is refused, its body never unpickled). Each
 request still has its deadline: the client cancels a stream whose reply is late.
 
+The client side (:class:`~torchstrategies.strategies.parameter_server.client.RpcClient`) is in ``client.py``.
 Errors: a deadline becomes :class:`DeadlineExceededError`, any other transport failure
 :class:`UnavailableError`, both naming the peer and the method; an exception raised by the handler comes
 back as :class:`RemoteError` (rebuilt from its type name and message, never unpickled, except closure errors
@@ -41,7 +42,6 @@ import functools
 import logging
 import os
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from concurrent import futures
@@ -50,7 +50,7 @@ from typing import Any
 import grpc
 import torch
 
-from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
+from torchstrategies.errors import UnavailableError
 from torchstrategies.strategies.parameter_server import wire
 from torchstrategies.strategies.parameter_server.auth import AUTH_KEY, CHIEF, JobAuth
 from torchstrategies.strategies.parameter_server.session import (
@@ -60,12 +60,9 @@ from torchstrategies.strategies.parameter_server.session import (
     OpenSession,
     Session,
     SessionTable,
-    client_hello,
-    client_session,
 )
-from torchstrategies.strategies.parameter_server.streams import StreamExpired, StreamPool
 
-__all__ = ["RpcServer", "RpcClient", "RemoteError", "max_message_bytes", "call_abandoned", "METHODS"]
+__all__ = ["RpcServer", "RemoteError", "max_message_bytes", "call_abandoned", "METHODS"]
 
 log = logging.getLogger("torchstrategies.parameter_server")
 
@@ -87,17 +84,17 @@ METHODS: dict[str, tuple[str, str]] = {
     "heartbeat": ("Control", "Heartbeat"),
     "shutdown": ("Control", "Shutdown"),
 }
-_WATCH = f"/{_PKG}.Control/Watch"
-_HANDSHAKE = f"/{_PKG}.Auth/Handshake"
-_PATH = {op: f"/{_PKG}.{svc}/{m}" for op, (svc, m) in METHODS.items()}
+WATCH_PATH = f"/{_PKG}.Control/Watch"
+HANDSHAKE_PATH = f"/{_PKG}.Auth/Handshake"
+PATHS = {op: f"/{_PKG}.{svc}/{m}" for op, (svc, m) in METHODS.items()}
 # The services whose methods also travel on a long-lived stream (``/<pkg>.<Service>/Stream``).
 STREAM_SERVICES = ("ParameterServer", "Worker")
-_STREAM = {svc: f"/{_PKG}.{svc}/Stream" for svc in STREAM_SERVICES}
+STREAM_PATHS = {svc: f"/{_PKG}.{svc}/Stream" for svc in STREAM_SERVICES}
 # What only the chief may call: everything that unpickles (exec, setup, optimizers) or controls the task.
 _CHIEF_ONLY = {
-    _PATH[op]
+    PATHS[op]
     for op in ("create", "create_optimizer", "set_hparams", "stats", "setup", "exec", "heartbeat", "shutdown")
-} | {_WATCH, _STREAM["Worker"]}
+} | {WATCH_PATH, STREAM_PATHS["Worker"]}
 
 
 _malloc_tuned = False
@@ -142,7 +139,7 @@ def _keepalive_ms() -> int:
     return int(float(os.environ.get("TORCHSTRATEGIES_PS_KEEPALIVE_S", "10")) * 1000)
 
 
-def _options(server: bool) -> list[tuple[str, Any]]:
+def channel_options(server: bool) -> list[tuple[str, Any]]:
     n = max_message_bytes()
     ka = _keepalive_ms()
     opts: list[tuple[str, Any]] = [
@@ -208,7 +205,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method == _HANDSHAKE:
+        if method == HANDSHAKE_PATH:
             return continuation(handler_call_details)
         session: Session | None = self._open
         if self.sessions is not None:
@@ -265,7 +262,7 @@ class RpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"),
             interceptors=[_AuthInterceptor(self._sessions)],
-            options=_options(True),
+            options=channel_options(True),
         )
         by_service: dict[str, dict[str, Any]] = {
             "Auth": {"Handshake": grpc.stream_unary_rpc_method_handler(self._handshake)}
@@ -359,8 +356,8 @@ class RpcServer:
                 op = header.get("op")
                 if not isinstance(op, str) or METHODS.get(op, ("",))[0] != service:
                     raise ValueError(f"{op!r} is not a method of the {service} service")
-                if _PATH[op] in _CHIEF_ONLY and session.role != CHIEF:
-                    raise PermissionError(f"{_PATH[op]} is for the chief only")
+                if PATHS[op] in _CHIEF_ONLY and session.role != CHIEF:
+                    raise PermissionError(f"{PATHS[op]} is for the chief only")
             elif header.get("op") != op:  # the MAC covers the header's op: a body moved to another method
                 raise ValueError(f"a {header.get('op')!r} request arrived on the {op!r} method")
 
@@ -411,247 +408,3 @@ class RpcServer:
             context.cancel()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait(grace + 1.0)
-
-
-# ---- client --------------------------------------------------------------------------------------------
-class RpcClient:
-    """One channel to a peer task; ``call`` is thread-safe and concurrent calls share the channel.
-
-    Construction runs the handshake (waiting up to ``timeout`` for the server): the server must prove that it
-    holds the job secret and is ``name|instance`` (``instance``: from the task's rendezvous entry), else
-    :class:`UnavailableError`. A deadline or transport failure marks the client broken and raises (naming
-    ``name``); later calls fail at once with the same error.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        name: str,
-        timeout: float,
-        auth: JobAuth,
-        role: str,
-        *,
-        instance: str,
-        hello: dict | None = None,
-    ):
-        self.name = name
-        self.address = address
-        self.timeout = timeout
-        self.identity = f"{name}|{instance}"
-        self._broken: str | None = None
-        self._max = max_message_bytes()
-        tune_malloc()
-        self._channel = self._new_channel(address, auth, _options(False))
-        self._watch_call = None
-        try:
-            self._session = self._handshake(auth, role, timeout)
-        except BaseException:
-            self._channel.close()
-            raise
-        self._stubs = {op: self._channel.unary_unary(path) for op, path in _PATH.items()}
-        self._streams = StreamPool(self._channel, self._credential)
-        if hello is not None:
-            try:
-                self.call(hello)
-            except BaseException:
-                self.close()
-                raise
-
-    @staticmethod
-    def _new_channel(address: str, auth: JobAuth, opts: list[tuple[str, Any]]) -> grpc.Channel:
-        if auth.tls:
-            if auth.tls_server_name:
-                opts = [*opts, ("grpc.ssl_target_name_override", auth.tls_server_name)]
-            return grpc.secure_channel(address, auth.channel_credentials(), options=opts)
-        return grpc.insecure_channel(address, options=opts)
-
-    @property
-    def broken(self) -> bool:
-        return self._broken is not None
-
-    def _handshake(self, auth: JobAuth, role: str, timeout: float) -> Session:
-        """Waits for the server, then runs the handshake (:mod:`session`) on a channel of its own whose
-        replies are bounded to a few bytes: nothing larger is read from a peer not yet authenticated."""
-        hello, nonce = client_hello(role)
-        opts = [o for o in _options(False) if o[0] != "grpc.max_receive_message_length"]
-        channel = self._new_channel(self.address, auth, [*opts, ("grpc.max_receive_message_length", 1024)])
-        deadline = time.monotonic() + timeout
-        try:
-            call = channel.stream_unary(_HANDSHAKE)
-            while True:
-                try:
-                    reply = call(
-                        iter(()),
-                        timeout=max(0.1, deadline - time.monotonic()),
-                        metadata=((HELLO_KEY, hello),),
-                        wait_for_ready=True,
-                    )
-                    break
-                except grpc.RpcError as exc:
-                    if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                        raise UnavailableError(
-                            f"{self.name} at {self.address} rejected this job's credentials: {exc.details()}"
-                        ) from None
-                    if time.monotonic() >= deadline:
-                        raise UnavailableError(
-                            f"cannot reach {self.name} at {self.address} within {timeout:.1f}s: {exc.code().name}"
-                        ) from None
-                time.sleep(0.05)
-        finally:
-            channel.close()
-        if auth.secret is None:
-            if reply:
-                raise UnavailableError(f"{self.name} at {self.address} expects a job secret; this task has none")
-            return OpenSession()
-        try:
-            return client_session(auth.secret, self.identity, role, nonce, reply)
-        except AuthError as exc:
-            raise UnavailableError(f"{self.name} at {self.address}: {exc}") from None
-
-    def _credential(self, path: str) -> tuple[tuple[str, str], ...]:
-        return ((AUTH_KEY, self._session.call_credential(path)),)
-
-    def _request(self, header: dict, tensors: list[torch.Tensor] | None) -> tuple[int, bytes]:
-        seq = self._session.next_seq()
-        data = wire.encode(header, tensors, seal=self._session.sealer(seq))
-        if len(data) > self._max:
-            raise ValueError(
-                f"a {header.get('op')!r} request to {self.name} is {len(data)} bytes, over the "
-                f"{self._max}-byte limit (TORCHSTRATEGIES_PS_MAX_MESSAGE_BYTES)"
-            )
-        return seq, data
-
-    def _fail(self, exc: grpc.RpcError, op: str, t: float | None) -> BaseException:
-        code = exc.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            self._broken = f"{self.name} at {self.address} did not answer {op!r} within {t or 0:.1f}s"
-            return DeadlineExceededError(self._broken)
-        if code == grpc.StatusCode.CANCELLED and self._broken is None:
-            return CancelledError(f"{op!r} to {self.name} was cancelled")
-        self._broken = self._broken or (
-            f"{self.name} at {self.address} is unavailable ({code.name}: {exc.details()}) during {op!r}"
-        )
-        return UnavailableError(self._broken)
-
-    def _reply(self, data: bytes, seq: int) -> tuple[dict, list[torch.Tensor]]:
-        try:
-            _, covered = self._session.open(data, reply_to=seq)
-        except AuthError as exc:
-            self._broken = f"{self.name} at {self.address} sent a reply that does not authenticate: {exc}"
-            raise UnavailableError(self._broken) from None
-        reply, out = wire.decode(data, offset=FRAME, covered=covered)
-        if not reply.get("ok", False):
-            raise RemoteError(wire.decode_error(reply), str(reply.get("text", "")), reply)
-        return reply, out
-
-    def call(
-        self,
-        header: dict,
-        tensors: list[torch.Tensor] | None = None,
-        timeout: float | None | str = "default",
-        abort: threading.Event | None = None,
-    ) -> tuple[dict, list[torch.Tensor]]:
-        """Sends a request and waits for its reply.
-
-        ``timeout=None`` waits as long as the peer lives and ``abort`` is not set (then the call is
-        cancelled and :class:`CancelledError` raised).
-        """
-        if self._broken is not None:
-            raise UnavailableError(self._broken)
-        op = header["op"]
-        t = self.timeout if timeout == "default" else timeout
-        seq, data = self._request(header, tensors)
-        service = METHODS[op][0]
-        if service in _STREAM:
-            return self._reply(self._exchange(service, op, data, t, abort), seq)  # type: ignore[arg-type]
-        stub = self._stubs[op]
-        try:
-            metadata = self._credential(_PATH[op])
-            if t is not None or abort is None:
-                out = stub(data, timeout=t, metadata=metadata)  # type: ignore[arg-type]
-            else:
-                fut = stub.future(data, metadata=metadata)
-                while True:
-                    try:
-                        out = fut.result(timeout=0.2)
-                        break
-                    except grpc.FutureTimeoutError:
-                        if abort.is_set():
-                            fut.cancel()
-                            raise CancelledError(f"{op!r} on {self.name} was abandoned") from None
-        except grpc.RpcError as exc:
-            raise self._fail(exc, op, t) from None  # type: ignore[arg-type]
-        return self._reply(out, seq)
-
-    def _exchange(
-        self, service: str, op: str, data: bytes, t: float | None, abort: threading.Event | None
-    ) -> bytes:
-        """One request on a stream of ``service`` (see :mod:`streams`)."""
-        try:
-            return self._streams.exchange(_STREAM[service], data, t, abort)
-        except StreamExpired as exc:
-            if exc.why == "abort":
-                raise CancelledError(f"{op!r} on {self.name} was abandoned") from None
-            self._broken = f"{self.name} at {self.address} did not answer {op!r} within {t or 0:.1f}s"
-            raise DeadlineExceededError(self._broken) from None
-        except grpc.RpcError as exc:  # a stream is only cancelled by us (above), by close() or by the server
-            self._broken = self._broken or (
-                f"{self.name} at {self.address} is unavailable ({exc.code().name}: {exc.details()}) during {op!r}"
-            )
-            raise UnavailableError(self._broken) from None
-        except (RuntimeError, ValueError):  # the pool or the channel was closed: this client is closed
-            raise UnavailableError(self._broken or f"connection to {self.name} closed") from None
-
-    def call_async(self, header: dict, timeout: float, done: Callable[[BaseException | None], None]) -> None:
-        """Starts a small call (heartbeat, shutdown) and runs ``done(error or None)`` when it ends."""
-        op = header["op"]
-        if self._broken is not None:
-            done(UnavailableError(self._broken))
-            return
-        seq, data = self._request(header, None)
-        fut = self._stubs[op].future(data, timeout=timeout, metadata=self._credential(_PATH[op]))
-
-        def finished(f) -> None:
-            try:
-                self._reply(f.result(), seq)
-                done(None)
-            except grpc.RpcError as exc:
-                done(self._fail(exc, op, timeout))
-            except BaseException as exc:  # noqa: BLE001
-                done(exc)
-
-        fut.add_done_callback(finished)
-
-    def watch(self) -> None:
-        """Opens the Watch stream and waits (at most ``timeout``) until the server has it: from then on the
-        server learns at once when this process goes away. The stream has no deadline: it lives as long
-        as the job."""
-        seq, data = self._request({"op": "watch"}, None)
-        call = self._channel.unary_stream(_WATCH)(data, metadata=self._credential(_WATCH))
-        self._watch_call = call
-        opened = threading.Event()
-
-        def first() -> None:
-            try:
-                self._reply(next(call), seq)
-                opened.set()
-            except Exception:  # noqa: BLE001 - cancelled, unauthenticated or the peer went away: reported below
-                pass
-
-        threading.Thread(target=first, name=f"watch-{self.name}", daemon=True).start()
-        if not opened.wait(self.timeout):
-            raise UnavailableError(
-                f"{self.name} at {self.address} did not open the Watch stream within {self.timeout:.1f}s"
-            )
-
-    def mark_broken(self, why: str) -> None:
-        """Fails every later call with ``why`` without closing the channel (safe inside a gRPC callback,
-        where closing the channel would deadlock; :meth:`close` it later from another thread)."""
-        self._broken = self._broken or why
-
-    def close(self) -> None:
-        self._broken = self._broken or f"connection to {self.name} closed"
-        if self._watch_call is not None:
-            self._watch_call.cancel()
-        self._streams.close()
-        self._channel.close()

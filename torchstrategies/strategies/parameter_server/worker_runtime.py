@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from torchstrategies.errors import CancelledError, UnavailableError
 from torchstrategies.strategies.parameter_server.auth import TASK
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.specs import VarSpec, split_rows
-from torchstrategies.strategies.parameter_server.transport import RemoteError, RpcClient, call_abandoned
+from torchstrategies.strategies.parameter_server.transport import RemoteError, call_abandoned
 
 __all__ = ["WorkerRuntime", "WorkerOptimizer", "WorkerInputContext"]
 
