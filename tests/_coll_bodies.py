@@ -121,12 +121,23 @@ def packing(rank: int, world: int, impls: list[str]) -> list[str]:
     return fails
 
 
+def in_shared_segment(t: torch.Tensor) -> bool:
+    """True if ``t``'s memory lies in a mapping of one of our /dev/shm segments."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/torchstrat" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= p < hi:
+                    return True
+    return False
+
+
 def async_and_buffers(rank: int, world: int) -> dict:
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import shm
 
     buf = C.buffer(1000, torch.float32)
-    in_shm = shm.get_communicator(None, 30).owns(buf)
+    in_shm = in_shared_segment(buf)
     buf.copy_(torch.arange(1000, dtype=torch.float32) * (rank + 1))
     h = C.all_reduce_async(buf, op="sum", options=C.CommunicationOptions(timeout_seconds=30))
     other = torch.full((5,), float(rank))
@@ -178,21 +189,21 @@ def timeout_absent_peer(rank: int, world: int, impl: str) -> str:
 
     is_async = impl.endswith("-async")
     impl = impl.removesuffix("-async")
-    if impl == "SHM":  # set the segment up first, so the timeout hits the all-reduce itself
-        C.all_reduce(torch.ones(1), options=C.CommunicationOptions(implementation="SHM"))
+    g = dist.new_group(list(range(world)))  # a group per case: a timeout breaks the group it happens on
+    opts = C.CommunicationOptions(implementation=impl, timeout_seconds=2)
+    C.all_reduce(torch.ones(1), group=g, options=opts)  # set up first, so the timeout hits the all-reduce
     if rank == 1:
-        time.sleep(3 if impl == "SHM" else 5)
+        time.sleep(5)
         return "absent"
     t0 = time.monotonic()
-    opts = C.CommunicationOptions(implementation=impl, timeout_seconds=2)
     try:
         if is_async:
-            fut = C.all_reduce_async(torch.ones(10), options=opts)
+            fut = C.all_reduce_async(torch.ones(10), group=g, options=opts)
             if not isinstance(fut, torch.futures.Future):
                 return f"not a torch.futures.Future: {type(fut).__name__}"
             fut.wait()
         else:
-            C.all_reduce(torch.ones(10), options=opts)
+            C.all_reduce(torch.ones(10), group=g, options=opts)
     except DeadlineExceededError as e:
         return f"raised after {time.monotonic() - t0:.1f}s: {e}"
     return "no error"
@@ -220,11 +231,13 @@ def dead_peer(rank: int, world: int) -> str:
 
 
 def debug_mismatch(rank: int, world: int) -> str:
+    """Debug mode (read when a group is first used) compares the shapes before the call."""
     from torchstrategies import collectives as C
 
+    g = dist.new_group(list(range(world)))
     x = torch.ones(3 + rank)
     try:
-        C.all_reduce(x, options=C.CommunicationOptions(implementation="RING", timeout_seconds=30))
+        C.all_reduce(x, group=g, options=C.CommunicationOptions(implementation="RING", timeout_seconds=30))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -234,10 +247,10 @@ def shm_many(rank: int, world: int) -> list[str]:
     """SHM reduces a list in place as one concatenated buffer (no packing): pieces of every size (0 too)
     under the one-shot limit, across it, and across the staging-slot chunk boundaries; against gloo."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import CommunicationOptions, shm
+    from torchstrategies.collectives import CommunicationOptions
 
     opts = CommunicationOptions(implementation="SHM", timeout_seconds=60)
-    per_slot = shm.get_communicator(None, 60.0).slot_bytes // 8  # float64 elements per chunk
+    per_slot = int(os.environ.get("TORCHSTRATEGIES_SHM_SLOT_BYTES", 4 << 20)) // 8  # float64 elements per chunk
     cases = [
         [0, 1, 7, 0, 4097],                                    # 16 KiB in all: the one-shot path
         [1000, 0, 20000, 3, 50001],                            # chunked, one chunk, pieces split by slices
@@ -279,13 +292,11 @@ def shm_many_aliased(rank: int, world: int) -> bool:
 def shm_many_mismatch(rank: int, world: int) -> str:
     """Lists of the same total size but different pieces on different ranks: an error, not a silent
     pairing."""
-    from torchstrategies.collectives import shm
-    from torchstrategies.reduce_op import ReduceOp
+    from torchstrategies import collectives as C
 
-    comm = shm.get_communicator(None, 30.0)
     parts = [torch.ones(6)] if rank == 0 else [torch.ones(2), torch.ones(4)]
     try:
-        comm.all_reduce_many_(parts, ReduceOp.SUM, 30.0)
+        C.all_reduce_(parts, options=C.CommunicationOptions(implementation="SHM", timeout_seconds=30))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -308,7 +319,7 @@ def bad_input(rank: int, world: int) -> list[str]:
     msgs = []
     for call in (
         lambda: C.all_reduce(torch.ones(3, dtype=torch.int64), op="mean"),
-        lambda: C.all_reduce(torch.ones(3, dtype=torch.bool), options=C.CommunicationOptions(implementation="SHM")),
+        lambda: C.all_reduce(torch.ones(3), options=C.CommunicationOptions(implementation="TREE")),
         lambda: C.all_reduce([torch.ones(2), "x"]),
         lambda: C.all_reduce(torch.ones(2), op="prod"),
         lambda: C.all_reduce(torch.ones(2), options=C.CommunicationOptions(implementation="NCCL")),
@@ -323,34 +334,20 @@ def bad_input(rank: int, world: int) -> list[str]:
 
 
 def fast_path_cache(rank: int, world: int) -> dict:
-    """Repeated calls with one options object take the cached plan; mutating the options leaves it."""
+    """Repeated calls with one options object give fresh results; options mutated after use are followed."""
     from torchstrategies import collectives as C
     from torchstrategies.collectives import CommunicationImplementation, CommunicationOptions
 
-    calls = {"n": 0}
-    real = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        opts = CommunicationOptions(implementation="SHM", timeout_seconds=30)
-        sums = []
-        for step in range(5):  # fresh values each call: a cached plan must not reuse old data
-            t = torch.full((1000,), float(rank + 1 + step))
-            C.all_reduce_(t, op="sum", options=opts)
-            sums.append(t[0].item())
-        shm_native_calls = calls["n"]
-        # mutate after use: the next call must follow the new choice
-        opts.implementation = CommunicationImplementation.GLOO
-        t = torch.full((1000,), float(rank + 1))
+    opts = CommunicationOptions(implementation="SHM", timeout_seconds=30)
+    sums = []
+    for step in range(5):  # fresh values each call
+        t = torch.full((1000,), float(rank + 1 + step))
         C.all_reduce_(t, op="sum", options=opts)
-        return {"sums": sums, "shm_native_calls": shm_native_calls,
-                "gloo_native_calls": calls["n"] - shm_native_calls, "after": t[0].item()}
-    finally:
-        dist.all_reduce = real
+        sums.append(t[0].item())
+    opts.implementation = CommunicationImplementation.GLOO  # mutate after use: the next call follows it
+    t = torch.full((1000,), float(rank + 1))
+    C.all_reduce_(t, op="sum", options=opts)
+    return {"sums": sums, "after": t[0].item(), "chosen": C.choose(opts.implementation, [t], None).name}
 
 
 def group_lifetime(rank: int, world: int, store_path: str) -> dict:
@@ -363,7 +360,7 @@ def group_lifetime(rank: int, world: int, store_path: str) -> dict:
     from torchstrategies.collectives import CommunicationOptions
 
     shm_opts = CommunicationOptions(implementation="SHM", timeout_seconds=30)
-    for _ in range(3):  # the second and third calls take the cached plan (the hot path)
+    for _ in range(3):
         C.all_reduce_(torch.ones(1000), options=shm_opts)
     C.all_reduce_async(torch.ones(10), options=shm_opts).wait()
     hier_opts = CommunicationOptions(implementation="HIERARCHICAL", timeout_seconds=30)
@@ -375,7 +372,7 @@ def group_lifetime(rank: int, world: int, store_path: str) -> dict:
     freed = world_ref() is None
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     t = torch.full((1000,), float(rank + 1))
-    C.all_reduce_(t, options=shm_opts)  # a cached plan of the old group must not be used
+    C.all_reduce_(t, options=shm_opts)  # the old group's backend must not be used
     C.all_reduce_(t, options=shm_opts)
     return {"freed": freed, "after": t[0].item()}
 
@@ -384,7 +381,7 @@ def suite2(rank: int, world: int, matrix_args: tuple, store_path: str = "") -> d
     """One 2-rank run for many checks (spawning ranks is the slow part on a 2-core machine)."""
     out: dict = {}
     out["matrix"] = matrix(rank, world, *matrix_args)
-    out["packing"] = packing(rank, world, ["SHM", "RING", "GLOO", "TREE"])
+    out["packing"] = packing(rank, world, ["SHM", "RING", "GLOO"])
     out["async"] = async_and_buffers(rank, world)
     out["bad_input"] = bad_input(rank, world)
     out["fast_path"] = fast_path_cache(rank, world)
@@ -396,8 +393,18 @@ def suite2(rank: int, world: int, matrix_args: tuple, store_path: str = "") -> d
     out["many"] = shm_many(rank, world)
     if store_path:  # destroys the world group and makes a new one (the checks below run on it)
         out["lifetime"] = group_lifetime(rank, world, store_path)
-    out["shm_mismatch"] = shm_mismatch(rank, world)  # last: a mismatch retires the SHM communicator
+    out["shm_mismatch"] = shm_mismatch(rank, world)
+    out["after_mismatch"] = shm_after(rank)  # a mismatch does not retire the group
+
     return out
+
+
+def shm_after(rank: int) -> float:
+    from torchstrategies import collectives as C
+
+    t = torch.full((4,), float(rank + 1))
+    C.all_reduce_(t, options=C.CommunicationOptions(implementation="SHM", timeout_seconds=30))
+    return t[0].item()
 
 
 def many_and_mismatch(rank: int, world: int) -> dict:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tests import _conformance_extra as _extra
+
 B = 12  # global batch: splits evenly over 1, 2 and 3 replicas
 STEPS = 3
 LR = 0.05
@@ -32,6 +34,7 @@ WORKLOADS = (
     "autocast",
     "compile",
     "checkpoint",
+    *_extra.WORKLOADS,
 )
 FLOAT32 = {"compile", "autocast"}
 
@@ -77,10 +80,7 @@ class Runner:
             return
         import torchstrategies as ts
 
-        def merged(strategy: Any) -> None:
-            aggregate = getattr(strategy.extended, "aggregate_gradients", None)
-            if aggregate is not None:
-                aggregate(params)
+        def merged(strategy: Any) -> None:  # cross-replica context: p.grad is the replicas' sum
             torch.nn.utils.clip_grad_norm_(params, max_norm)
 
         ts.get_replica_context().merge_call(merged)
@@ -138,6 +138,8 @@ def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(workload: str, runner: Runner, order: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Trains ``workload`` under ``runner`` with ``zero_grad`` "before" backward or "after" step."""
+    if workload in _extra.WORKLOADS:
+        return _extra.train(workload, runner, order)
     dtype = torch.float32 if workload in FLOAT32 else torch.float64
     torch.manual_seed(0)
     with runner.scope():

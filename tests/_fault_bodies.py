@@ -29,7 +29,8 @@ def _expect_value_error(fn) -> str:
 
 def fault_outcome(call, how: str, rank: int, victim: int, victim_pid: int, tag: str) -> tuple:
     """Runs ``call()`` on a survivor and returns (error type, message); for a SIGSTOP, rank 0 then kills the
-    frozen victim once every survivor has its error (so the harness can end)."""
+    frozen victim once every survivor has its error (so the harness can end; the victim must not be rank 0,
+    which hosts the store)."""
     from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
     try:
@@ -39,13 +40,13 @@ def fault_outcome(call, how: str, rank: int, victim: int, victim_pid: int, tag: 
         result = (type(e).__name__, str(e))
     except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
         result = (f"other {type(e).__name__}", str(e))
-    if how == "stop":
+    if how == "stop":  # every survivor stays until all have their error (an exit looks like a death)
+        from datetime import timedelta
+
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{tag}/done/{rank}", "1")
+        store.wait([f"{tag}/done/{r}" for r in range(victim)], timedelta(seconds=60))
         if rank == 0:
-            from datetime import timedelta
-
-            store.wait([f"{tag}/done/{r}" for r in range(victim)], timedelta(seconds=60))
             os.kill(victim_pid, signal.SIGKILL)
     return result
 
@@ -54,7 +55,6 @@ def mismatches(rank: int, world: int, impl: str) -> dict:
     """Each mismatched call raises ValueError on every rank (never a crash or a silent result); a correct
     call afterwards still gives the right value."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import ring
 
     if impl == "GLOO":
         os.environ["TORCHSTRATEGIES_DEBUG"] = "1"  # GLOO/NCCL are checked in debug mode
@@ -72,28 +72,26 @@ def mismatches(rank: int, world: int, impl: str) -> dict:
         out[name] = _expect_value_error(fn)
         ok = C.all_reduce(torch.full((3,), float(rank + 1)), options=opts)
         out[name + "_after"] = ok.tolist()
-    if impl == "RING":
-        saved = ring.CHUNK_BYTES
-        ring.CHUNK_BYTES = (1 << 18) * (rank + 1)  # as TORCHSTRATEGIES_RING_CHUNK_BYTES differing per rank
-        out["chunk"] = _expect_value_error(lambda: C.all_reduce(torch.ones(5), options=opts))
-        ring.CHUNK_BYTES = saved
-        out["chunk_after"] = C.all_reduce(torch.full((3,), float(rank + 1)), options=opts).tolist()
     return out
 
 
-def slot_bytes_and_debug(rank: int, world: int) -> dict:
-    """SHM slot bytes that differ raise on every rank at set-up; debug mode recovers from a mismatch."""
+def settings_and_debug(rank: int, world: int) -> dict:
+    """Settings that differ between ranks raise ValueError on every rank when the group is made, naming the
+    variable; debug mode catches a mismatch gloo would not and recovers."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import shm
 
     out: dict = {}
-    saved = shm.SLOT_BYTES
-    shm.SLOT_BYTES = (64 << 10) * (rank + 1)  # as TORCHSTRATEGIES_SHM_SLOT_BYTES differing per rank
-    out["slot"] = _expect_value_error(lambda: C.all_reduce(torch.ones(3), options=_opts("SHM", 30)))
-    shm.SLOT_BYTES = saved
-    out["slot_after"] = C.all_reduce(torch.full((3,), float(rank + 1)), options=_opts("SHM", 30)).tolist()
+    for var, impl in (("TORCHSTRATEGIES_SHM_SLOT_BYTES", "SHM"), ("TORCHSTRATEGIES_RING_CHUNK_BYTES", "RING")):
+        os.environ[var] = str((64 << 10) * (rank + 1))  # differs per rank
+        g = dist.new_group([0, 1])
+        out[var] = _expect_value_error(lambda g=g, impl=impl: C.all_reduce(torch.ones(3), group=g,
+                                                                            options=_opts(impl, 30)))
+        del os.environ[var]
+        g2 = dist.new_group([0, 1])
+        out[var + "_after"] = C.all_reduce(torch.full((3,), float(rank + 1)), group=g2,
+                                           options=_opts(impl, 30)).tolist()
 
-    os.environ["TORCHSTRATEGIES_DEBUG"] = "1"
+    os.environ["TORCHSTRATEGIES_DEBUG"] = "1"  # read when a group is first used
     auto = _opts("AUTO", 30)
     g = dist.new_group([0, 1])
     if rank == 0:
@@ -101,7 +99,6 @@ def slot_bytes_and_debug(rank: int, world: int) -> dict:
     else:
         out["debug"] = _expect_value_error(lambda: C.broadcast(torch.ones(3), 0, group=g, options=auto))
     out["debug_after_same_group"] = C.all_reduce(torch.full((3,), float(rank + 1)), group=g, options=auto).tolist()
-    out["debug_after_world"] = C.all_reduce(torch.full((2,), float(rank + 1)), options=auto).tolist()
     g2 = dist.new_group([0, 1])
     out["debug_after_new_group"] = C.all_reduce(torch.full((2,), float(rank + 1)), group=g2, options=auto).tolist()
     out["gloo_op"] = _expect_value_error(
@@ -110,57 +107,21 @@ def slot_bytes_and_debug(rank: int, world: int) -> dict:
     return out
 
 
-def peer_fault(rank: int, world: int, impl: str, how: str, timeout: float, mid_call: bool = False) -> tuple:
-    """The last rank is SIGKILLed (how="kill") or SIGSTOPped ("stop") between two all-reduces, or with
-    ``mid_call`` INSIDE the second one, right after its call descriptor was checked (the others are then in
-    the implementation's own data exchange: its waits, not the descriptor's); the others report the error
-    they got: (type name, message)."""
+def peer_fault(rank: int, world: int, impl: str, how: str, timeout: float) -> tuple:
+    """The last rank is SIGKILLed (how="kill") or SIGSTOPped ("stop") between two all-reduces; the others
+    report the error they got: (type name, message)."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import descriptor
 
     opts = _opts(impl, timeout)
-    C.all_reduce_(torch.ones(1000), options=opts)  # set-up (segments, layouts) done while all are alive
+    C.all_reduce_(torch.ones(1000), options=opts)  # set-up (segments, rings) done while all are alive
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     victim = world - 1
-
-    def fail() -> None:
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         time.sleep(120)
-
-    if rank == victim and not mid_call:
-        fail()
-    elif rank == victim:
-        check = descriptor.check
-
-        def check_then_fail(*args, **kwargs):
-            check(*args, **kwargs)
-            fail()
-
-        descriptor.check = check_then_fail
     return fault_outcome(lambda: C.all_reduce_(torch.ones(1000), options=opts), how, rank, victim, pids[victim],
                          "fault_test")
-
-
-def dies_before_attach(rank: int, world: int) -> tuple:
-    """Rank 1 takes part in the SHM set-up exchange, then dies before it maps the segment; rank 0 (which
-    created the segment) must notice in attach, raise UnavailableError naming rank 1, and leave nothing."""
-    from torchstrategies import collectives as C
-    from torchstrategies.collectives import shm
-    from torchstrategies.errors import UnavailableError
-
-    if rank == 1:
-        def die(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        shm._C = type("FakeC", (), {"ShmComm": staticmethod(die)})  # dies where it would open the segment
-    try:
-        C.all_reduce(torch.ones(3), options=_opts("SHM", 60))
-    except UnavailableError as e:
-        return ("UnavailableError", str(e))
-    except Exception as e:  # noqa: BLE001
-        return (f"other {type(e).__name__}", str(e))
-    return ("no error", "")
 
 
 def segment_then_signal(name: str, how: str) -> None:
@@ -177,23 +138,83 @@ def segment_then_signal(name: str, how: str) -> None:
 _KEEP: list = []
 
 
-def hierarchical_leader_stage_fails(rank: int, world: int) -> tuple:
-    """Hosts {0, 1} and {2}. Rank 0's inter-host stage fails (a stand-in for a broken link); rank 1, waiting
-    in its host's SHM broadcast, must get the failure at once as UnavailableError, not a false mismatch."""
+# ---- issue 27, items 4-7 (through the public API, so each test runs unchanged against older builds) --------
+def _file_barrier(tmp: str, rank: int, ranks: list[int], seconds: float = 60.0) -> None:
+    """Waits until every rank in ``ranks`` has reached this point (files: the store may be frozen)."""
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in ranks):
+        time.sleep(0.05)
+
+
+def frozen_store_host(rank: int, world: int, impl: str, timeout: float, tmp: str) -> tuple:
+    """Rank 0 (which hosts the c10d store) is SIGSTOPped after a first all-reduce; the others report what
+    the next one raised and after how long; then rank 1 kills rank 0."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import hierarchical
-    from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
-    opts = _opts("HIERARCHICAL", 8)
-    C.all_reduce_(torch.ones(10), options=opts)  # layouts and segments set up
+    opts = _opts(impl, timeout)
+    C.all_reduce_(torch.ones(10), options=opts)  # set up while everyone is alive
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
     if rank == 0:
-        def broken(*args, **kwargs):
-            raise UnavailableError("inter-host link broken (injected)")
-
-        hierarchical.LEADER_ALL_REDUCE[0] = broken
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+    t0 = time.monotonic()
     try:
         C.all_reduce_(torch.ones(10), options=opts)
-        return ("no error", "")
-    except (UnavailableError, DeadlineExceededError, ValueError) as e:
-        return (type(e).__name__, str(e))
+        result: tuple = ("no error", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - reported
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+    _file_barrier(tmp, rank, list(range(1, world)))
+    if rank == 1:
+        os.kill(pids[0], signal.SIGKILL)
+    return result
 
+
+def mismatched_collectives(rank: int, world: int, impl: str) -> dict:
+    """The last rank calls broadcast / all_gather / a different all-reduce while the others call all_reduce:
+    ValueError on every rank, and the group still works afterwards."""
+    from torchstrategies import collectives as C
+
+    opts = _opts(impl, 8)
+    C.all_reduce(torch.ones(4), options=opts)  # set up first
+    odd = rank == world - 1
+    others = {
+        "broadcast": lambda: C.broadcast(torch.ones(4), 0, options=opts),
+        "all_gather": lambda: C.all_gather(torch.ones(4), options=opts),
+        "all_reduce_max": lambda: C.all_reduce(torch.ones(4), op="max", options=opts),
+    }
+    out: dict = {}
+    for name, other in others.items():
+        out[name] = _expect_value_error(other if odd else lambda: C.all_reduce(torch.ones(4), options=opts))
+        out[name + "_after"] = C.all_reduce(torch.full((3,), float(rank + 1)), options=opts).tolist()
+    return out
+
+
+def ring_set_up_by_one_rank(rank: int, world: int) -> dict:
+    """Rank 0 alone starts a RING all-reduce (it times out); afterwards both ranks use RING on new groups."""
+    from torchstrategies import collectives as C
+
+    out: dict = {}
+    if rank == 0:
+        try:
+            C.all_reduce(torch.ones(3), options=_opts("RING", 3))
+            out["alone"] = "no error"
+        except Exception as e:  # noqa: BLE001 - any named error is fine here
+            out["alone"] = type(e).__name__
+    else:
+        time.sleep(6)
+    dist.barrier()
+    for k in range(2):
+        g = dist.new_group([0, 1])
+        out[f"new_group_{k}"] = C.all_reduce(torch.full((3,), float(rank + 1)), group=g,
+                                             options=_opts("RING", 20)).tolist()
+    return out
+
+
+def debug_on_one_rank(rank: int, world: int) -> dict:
+    """TORCHSTRATEGIES_DEBUG is set on rank 0 only (by the test's environment)."""
+    from torchstrategies import collectives as C
+
+    return {impl: _expect_value_error(lambda impl=impl: C.all_reduce(torch.ones(3), options=_opts(impl, 20)))
+            for impl in ("GLOO", "AUTO")}

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from _fault_bodies import fault_outcome
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+OPS = {"SUM": dist.ReduceOp.SUM, "MEAN": dist.ReduceOp.AVG, "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX,
+       "PRODUCT": dist.ReduceOp.PRODUCT}
 
 
 def _reference(x: torch.Tensor, op: str, world: int) -> torch.Tensor:
@@ -35,14 +37,14 @@ def _reference(x: torch.Tensor, op: str, world: int) -> torch.Tensor:
 
 def every_op_and_dtype(rank: int, world: int) -> list[str]:
     """Each op x dtype x size (0, 1, below the world size, uneven, several staging chunks on the ring path)
-    against torch; every rank's result must also be bitwise the same. Returns the failures."""
-    from torchstrategies import collectives as C
-    from torchstrategies._ext import _C
-    from torchstrategies.collectives import ring
-    from torchstrategies.reduce_op import ReduceOp
+    on a RING group of the backend, against torch; every rank's result must also be bitwise the same."""
+    import torchstrategies  # noqa: F401
+    from torchstrategies.collectives import BackendOptions
 
-    ring.CHUNK_BYTES = 4096  # many staging refills on the ring path, even for the moderate sizes here
-    comm = ring.get_communicator(None, 30.0)
+    os.environ["TORCHSTRATEGIES_RING_CHUNK_BYTES"] = "4096"  # many staging refills on the ring path
+    g = dist.new_group(backend="torchstrategies", pg_options=BackendOptions("RING", 30))
+    del os.environ["TORCHSTRATEGIES_RING_CHUNK_BYTES"]
+    big = dist.new_group(backend="torchstrategies", pg_options=BackendOptions("RING", 30))
     fails: list[str] = []
     gen = torch.Generator().manual_seed(1234 + rank)
     sizes = [0, 1, max(world - 1, 1), 1001, 40_003]  # 40_003 x 2-8 bytes: above SMALL_BYTES, the ring path
@@ -50,19 +52,13 @@ def every_op_and_dtype(rank: int, world: int) -> list[str]:
         dt = getattr(torch, dt_name)
         for n in sizes:
             base = torch.randint(-8, 9, (n,), generator=gen)
-            for op in ("SUM", "MEAN", "MIN", "MAX", "PRODUCT"):
+            for op in OPS:
                 if op == "MEAN" and not dt.is_floating_point:
                     continue
                 x = (base.clamp(-2, 2) if op == "PRODUCT" else base).to(dt)
                 want = _reference(x, op, world)
                 got = x.clone()
-                if op == "PRODUCT":  # not a ReduceOp: the C++ ring's own code
-                    comm._c.all_reduce_(got, int(_C.RING_OP_CODES["PRODUCT"]), ring.SMALL_BYTES, ring.CHUNK_BYTES,
-                                        30.0)
-                elif n == 1001:  # through the public API once per dtype and op
-                    got = C.all_reduce(x, op=op, options=C.CommunicationOptions(implementation="RING"))
-                else:
-                    comm.all_reduce_(got, ReduceOp[op], 30.0)
+                dist.all_reduce(got, op=OPS[op], group=g)
                 tol = {"float16": 1e-2, "bfloat16": 2e-2}.get(dt_name, 1e-6)
                 ok = (torch.allclose(got.double(), want.double(), rtol=tol, atol=tol) if dt.is_floating_point
                       else torch.equal(got, want))
@@ -73,14 +69,27 @@ def every_op_and_dtype(rank: int, world: int) -> list[str]:
                 if not all(torch.equal(s.view(torch.uint8) if s.numel() else s, got.view(torch.uint8)
                                        if got.numel() else got) for s in same):
                     fails.append(f"{op} {dt_name} n={n}: ranks disagree")
-    ring.CHUNK_BYTES = 256 << 10
+    same_gen = torch.Generator().manual_seed(99)  # the same x on every rank
     for dt in (torch.float32, torch.int64):  # above 4 MiB: the ring sends from its second thread
-        x = torch.randint(-8, 9, (1_200_001,), generator=gen).to(dt)
+        x = torch.randint(-8, 9, (1_200_001,), generator=same_gen).to(dt)
         for op in ("SUM", "MIN"):
             got = x.clone()
-            comm.all_reduce_(got, ReduceOp[op], 30.0)
+            dist.all_reduce(got, op=OPS[op], group=big)
             if not torch.equal(got, _reference(x, op, world)):
                 fails.append(f"{op} {dt} n=1_200_001 (threaded sender)")
+        full = torch.cat([x] * world)
+        part = torch.empty_like(x)
+        dist.reduce_scatter_tensor(part, full, group=big)
+        if not torch.equal(part, x * world):
+            fails.append(f"reduce_scatter {dt} n=1_200_001 (threaded sender)")
+        gathered = torch.empty(world * x.numel(), dtype=dt)
+        dist.all_gather_into_tensor(gathered, x + rank, group=big)
+        if not torch.equal(gathered, torch.cat([x + r for r in range(world)])):
+            fails.append(f"all_gather {dt} n=1_200_001 (threaded sender)")
+        b = x + rank
+        dist.broadcast(b, src=world - 1, group=big)
+        if not torch.equal(b, x + world - 1):
+            fails.append(f"broadcast {dt} n=1_200_001 (threaded sender)")
     return fails
 
 
@@ -132,9 +141,9 @@ def fault_mid_exchange(rank: int, world: int, how: str, timeout: float) -> tuple
 
 
 def hierarchical_uses_ring(rank: int, world: int) -> dict:
-    """2 simulated hosts x 2 ranks: HIERARCHICAL's leader stage runs on the ring, results match torch."""
+    """2 simulated hosts x 2 ranks: HIERARCHICAL runs its leader stage on the ring, results match torch."""
     from torchstrategies import collectives as C
-    from torchstrategies.collectives import ring
+    from torchstrategies._ext import _C
 
     opts = C.CommunicationOptions(implementation="HIERARCHICAL")
     out: dict = {"fails": []}
@@ -145,12 +154,12 @@ def hierarchical_uses_ring(rank: int, world: int) -> dict:
             want = _reference(x, op, world)
             if not torch.equal(got, want):
                 out["fails"].append(f"{op} n={n}")
-    out["ring_groups"] = len(ring._comms)
+    out["plan"] = tuple(_C.backend_plan(C.api._target(None, C.CommunicationImplementation.HIERARCHICAL, False).obj))
     return out
 
 
 def auto_between_hosts(rank: int, world: int) -> dict:
-    """Ranks on two simulated hosts, one rank each: AUTO resolves to RING (the shipped table) and is right."""
+    """Ranks on two simulated hosts, one rank each: AUTO resolves to RING and is right."""
     from torchstrategies import collectives as C
     from torchstrategies.collectives import CommunicationImplementation as I
 

@@ -32,22 +32,3 @@ def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhe
     assert m2["overhead us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch, 2 slices"]) / 2)
     assert m2["above 1-pass torch us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch"]) / 2)
     assert all(r["samples/s"] > 0 and r["ms/step"] > 0 for r in rows)
-
-
-
-def test_python_after_backward_benchmark_measures_every_snippet():
-    """benchmarks/python_after_backward.py (quoted in docs/strategies.md) runs and reports each snippet."""
-    import importlib.util
-    import math
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "python_after_backward.py"
-    spec = importlib.util.spec_from_file_location("python_after_backward", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.measure(steps=5)
-    assert [r[0] for r in rows][:2] == ["scheduler's per-run objects", "30-element list comprehension"]
-    assert len(rows) == 3
-    for name, hot, _fwd, bwd in rows:
-        assert hot > 0 and bwd > 0 and math.isfinite(hot) and math.isfinite(bwd), name

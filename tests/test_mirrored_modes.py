@@ -49,13 +49,13 @@ def test_autocast_no_grad_and_inference_mode_around_run_reach_every_replica(name
 def _modes_after_a_sync_point() -> tuple:
     rc = ts.get_replica_context()
     before = _modes()
-    rc.merge_call(lambda strategy: None)  # replicas 1.. now run on worker threads
+    rc.merge_call(lambda strategy: None)  # every replica pauses and resumes on its thread
     return before, _modes(), rc.replica_id_in_sync_group
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-@pytest.mark.parametrize("sync", [False, True], ids=["calling-thread", "workers"])
-def test_modes_reach_every_replica_on_both_paths_and_do_not_leak(name, sync):
+@pytest.mark.parametrize("sync", [False, True], ids=["no-merge", "merge"])
+def test_modes_reach_every_replica_and_do_not_leak(name, sync):
     s = STRATEGIES[name]()
     fn = _modes_after_a_sync_point if sync else (lambda: (_modes(), _modes(), None))
     threads = torch.get_num_threads()
@@ -86,7 +86,7 @@ def test_replica_threads_are_reused_across_runs_and_after_an_error():
     s = ts.MirroredStrategy(num_replicas=3)
 
     def ident():
-        ts.get_replica_context().merge_call(lambda strategy: None)  # a sync point: replicas 1, 2 on workers
+        ts.get_replica_context().merge_call(lambda strategy: None)
         return threading.get_ident()
 
     first = s.experimental_local_results(s.run(ident))
@@ -104,12 +104,18 @@ def test_replica_threads_are_reused_across_runs_and_after_an_error():
         assert set(s.experimental_local_results(s.run(ident))) == set(first)
 
 
-def test_without_a_sync_point_every_replica_runs_in_the_calling_thread():
+def test_replica_0_runs_in_the_calling_thread_and_every_other_replica_on_a_thread_of_its_own():
     s = ts.MirroredStrategy(num_replicas=3)
-    outs = s.experimental_local_results(
-        s.run(lambda: (threading.get_ident(), ts.get_replica_context().replica_id_in_sync_group))
-    )
-    assert outs == tuple((threading.get_ident(), i) for i in range(3))
+    for sync in (False, True):  # with or without a merge_call: one schedule
+
+        def fn(sync=sync):
+            if sync:
+                ts.get_replica_context().merge_call(lambda strategy: None)
+            return threading.get_ident(), ts.get_replica_context().replica_id_in_sync_group
+
+        outs = s.experimental_local_results(s.run(fn))
+        assert outs[0] == (threading.get_ident(), 0)
+        assert [i for _, i in outs] == [0, 1, 2] and len({t for t, _ in outs}) == 3
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

@@ -42,9 +42,12 @@ def test_each_replica_computes_with_its_own_copy_and_gets_its_own_gradient():
     grads = s.experimental_local_results(s.run(fn))
     for i, g in enumerate(grads):
         torch.testing.assert_close(g, torch.full((1, 2), float(i + 1)))
-    assert lin.weight.grad is None  # cross-replica context sees the primary gradient, not a replica's
+    # cross-replica context sees the sum, as one device's .grad after the three slices' backward passes
+    torch.testing.assert_close(lin.weight.grad, torch.full((1, 2), 6.0))
     comps = s.extended.replica_components(lin.weight)
-    assert all(c is lin.weight for c in comps)  # replicas on the parameter's device share its storage
+    assert comps[0] is lin.weight  # replica 0's component is the primary (TF's MirroredVariable)
+    assert len({c.data_ptr() for c in comps}) == 3  # every other replica owns a copy, CPU replicas too
+    assert all(torch.equal(c, lin.weight.detach()) for c in comps)
 
 
 def test_optimizer_step_in_run_sums_gradients_updates_once_and_keeps_replicas_identical():

@@ -110,13 +110,33 @@ def test_absent_rank_times_out_naming_it_and_the_group_is_then_broken():
         comms[0].all_reduce_(torch.ones(4), SUM, 1.0)
 
 
-def test_mismatched_counts_raise_on_every_rank():
+def test_mismatched_counts_raise_on_every_rank_and_the_group_keeps_working():
     comms = _comms(2)
+    for c in comms:
+        c.one_shot_bytes = 32  # rank 1's 11 floats take the chunked path, rank 0's 10... too: 40 / 44 bytes
     xs = [torch.ones(10), torch.ones(11)]
     _, errors = _threads(comms, lambda r, c: c.all_reduce_(xs[r], SUM, 10.0))
     assert set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, _C.ShmMismatchError) and "count 10" in str(e) and "count 11" in str(e)
+    ys = [torch.full((3000,), float(r + 1)) for r in range(2)]
+    _, errors = _threads(comms, lambda r, c: c.all_reduce_(ys[r], SUM, 10.0))
+    assert not errors and all(torch.equal(y, torch.full((3000,), 3.0)) for y in ys)
+
+
+def test_a_peer_that_dies_before_it_maps_the_segment_is_noticed_in_attach():
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # gone (and reaped): its pid answers ESRCH
+    name = f"/torchstrat_test_{os.getpid()}_{secrets.token_hex(4)}"
+    comm = _C.ShmComm(name, 0, 2, 4096, True)
+    comm.expect_pids([os.getpid(), dead.pid])  # learnt from the set-up rows before the segment existed
+    with pytest.raises(_C.ShmDeadlineError, match="died") as ei:
+        comm.attach(30.0)
+    assert ei.value.kind == "unavailable" and ei.value.missing_ranks == [1]
+    del comm  # the creator unlinks a segment nobody else mapped (no_shm_leftovers checks)
 
 
 def test_pack_into_and_unpack_from_round_trip_including_non_contiguous():

@@ -5,7 +5,8 @@ TF's ``tf.train.Checkpoint`` / ``tf.train.CheckpointManager`` /
 
 * What is saved: modules (``state_dict``), optimizers, distributed datasets (their ``(epoch, batches
   consumed)`` position), ``ts.Variable`` objects, and ints (e.g. ``step``), all given as keyword arguments.
-* Under MultiWorkerMirroredStrategy, ``save`` is a collective (every worker calls it): module buffers (ON_READ,
+* Under MultiWorkerMirroredStrategy, ``save`` is a collective (every worker calls it; it talks through the
+  strategy's process group, like everything else of the strategy): module buffers (ON_READ,
   MEAN) are saved as their cross-worker mean and ON_READ variables as their aggregate (SUM, MEAN or the
   first replica's value); the chief (rank 0) alone writes, to a temporary file renamed into place (a
   reader never sees a partial file), then all workers pass a barrier. Every worker reads on ``restore``;
@@ -41,7 +42,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RESTARTABLE_EXIT_CODE"]
 
@@ -136,7 +136,7 @@ class Checkpoint:
         if chief:
             _atomic_save(state, path)
         if ext is not None:
-            ext._guard(dist.barrier, "checkpoint barrier")
+            ext.barrier()
         return path
 
     write = save
@@ -187,9 +187,7 @@ def _mean_buffers(ext: Any, module: torch.nn.Module, sd: dict[str, Any]) -> dict
     names = [n for n, _ in module.named_buffers() if n in sd and torch.is_floating_point(sd[n])]
     if not names:
         return sd
-    from torchstrategies.reduce_op import ReduceOp
-
-    means = ext._all_reduce_tensors(ReduceOp.MEAN, [sd[n] for n in names])
+    means = ext.all_reduce_tensors("mean", [sd[n] for n in names])
     out = dict(sd)
     for n, m in zip(names, means):
         out[n] = m.to(sd[n].device)
@@ -201,13 +199,9 @@ def _read_variable(ext: Any, v: Any) -> torch.Tensor:
     sync = getattr(v.synchronization, "name", str(v.synchronization))
     if ext is None or sync != "ON_READ":
         return value
-    from torchstrategies.reduce_op import ReduceOp
-
     agg = getattr(v.aggregation, "name", str(v.aggregation))
-    if agg == "SUM":
-        return ext._all_reduce_tensors(ReduceOp.SUM, [value])[0]
-    if agg == "MEAN":
-        return ext._all_reduce_tensors(ReduceOp.MEAN, [value])[0]
+    if agg in ("SUM", "MEAN"):
+        return ext.all_reduce_tensors(agg, [value])[0]
     box = [value]
     ext.broadcast_tensors(box, src=0)  # ONLY_FIRST_REPLICA / NONE: replica 0's value
     return box[0]
@@ -340,9 +334,7 @@ class PreemptionCheckpointHandler:
         if ext is None:
             return self._requested
         flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64)
-        from torchstrategies.reduce_op import ReduceOp
-
-        return bool(ext._all_reduce_tensors(ReduceOp.MAX, [flag])[0].item())
+        return bool(ext.all_reduce_tensors("max", [flag])[0].item())
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs one step; saves and exits with ``exit_code`` afterwards if a stop was requested."""

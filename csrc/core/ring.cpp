@@ -20,7 +20,7 @@
 #include <functional>
 #include <thread>
 
-#include "core/reduce.h"
+#include <algorithm>
 
 namespace torchstrategies {
 namespace core {
@@ -127,66 +127,7 @@ ssize_t send_some(int fd, const Header& h, size_t* hdr_done, const char* data, s
   return static_cast<ssize_t>(rest - hh);
 }
 
-// ---- element-wise combine for MIN / MAX / PRODUCT (SUM / MEAN use core::reduce_range) -----------------
-template <typename T, typename Acc>
-void combine_loop(int op, T* out, const T* const* xs, int n, int64_t len) {
-  for (int64_t i = 0; i < len; ++i) {
-    Acc v = Conv<Acc, T>::load(xs[0][i]);
-    for (int j = 1; j < n; ++j) {
-      const Acc x = Conv<Acc, T>::load(xs[j][i]);
-      if (op == kProduct) {
-        v = v * x;
-        if constexpr (std::is_integral_v<T>) v = static_cast<Acc>(static_cast<T>(v));  // wrap as T does
-        continue;
-      }
-      if constexpr (!std::is_integral_v<T>) {  // NaN propagates, like torch.minimum / maximum
-        if (v != v) continue;
-        if (x != x) {
-          v = x;
-          continue;
-        }
-      }
-      if (op == kMin ? (x < v) : (x > v)) v = x;
-    }
-    out[i] = Conv<Acc, T>::store(v);
-  }
-}
-
-template <typename T, typename Acc>
-void combine_typed(int op, void* out, const void* const* xs, int n, int64_t len) {
-  combine_loop<T, Acc>(op, static_cast<T*>(out), reinterpret_cast<const T* const*>(xs), n, len);
-}
-
 }  // namespace
-
-size_t dtype_size(DType d) {
-  switch (d) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-  }
-  return 1;
-}
-
-void combine(int op, DType dtype, void* out, const void* const* xs, int n, int64_t len, bool has_scale,
-             double scale) {
-  if (len <= 0) return;
-  if (op == kSum || op == kMean) {
-    reduce_range(Order::kSequential, dtype, out, xs, n, len, has_scale, scale);
-    return;
-  }
-  switch (dtype) {
-    case DType::kFloat32: return combine_typed<float, float>(op, out, xs, n, len);
-    case DType::kFloat64: return combine_typed<double, double>(op, out, xs, n, len);
-    case DType::kFloat16: return combine_typed<_Float16, float>(op, out, xs, n, len);
-    case DType::kBFloat16: return combine_typed<Bf16, float>(op, out, xs, n, len);
-    case DType::kInt32: return combine_typed<int32_t, int64_t>(op, out, xs, n, len);
-    case DType::kInt64: return combine_typed<int64_t, int64_t>(op, out, xs, n, len);
-  }
-}
 
 Comm::Comm(int rank, int world, uint64_t group, Options opts)
     : rank_(rank), world_(world), group_(group), opts_(opts) {
@@ -198,6 +139,7 @@ Comm::Comm(int rank, int world, uint64_t group, Options opts)
 Comm::~Comm() { close(); }
 
 void Comm::close() {
+  if (send_fd_ >= 0 || recv_fd_ >= 0) broken_ = true;  // a ring that was up is unusable once closed
   for (int* fd : {&listen_fd_, &send_fd_, &recv_fd_}) {
     if (*fd >= 0) ::close(*fd);
     *fd = -1;
@@ -346,21 +288,28 @@ void Comm::establish(const std::string& right_host, int right_port, uint64_t rig
   tune(recv_fd_, opts_);
 }
 
+Header Comm::header(const Desc& d, int64_t small_bytes, int64_t chunk_bytes) {
+  if (broken_) throw RingError(RingError::kBroken, -1, "the ring communicator failed earlier");
+  Header h{};
+  h.magic = kCallMagic;
+  h.rank = rank_;
+  h.group = group_;
+  h.seq = seq_++;
+  h.op = d.op;
+  h.dtype = d.dtype;
+  h.count = d.count;
+  h.small_bytes = small_bytes;
+  h.chunk_bytes = chunk_bytes;
+  h.kind = d.kind;
+  h.root = d.root;
+  return h;
+}
+
 void Comm::all_reduce(void* data, int64_t count, DType dtype, int op, int64_t small_bytes, int64_t chunk_bytes,
                       double timeout_s) {
-  if (broken_) throw RingError(RingError::kBroken, -1, "the ring communicator failed earlier");
   if (op < kSum || op > kProduct) throw std::invalid_argument("ring: bad reduce op code " + std::to_string(op));
+  const Header mine = header({kAllReduce, op, static_cast<int32_t>(dtype), count, 0}, small_bytes, chunk_bytes);
   const size_t es = dtype_size(dtype);
-  Header mine{};
-  mine.magic = kCallMagic;
-  mine.rank = rank_;
-  mine.group = group_;
-  mine.seq = seq_++;
-  mine.op = op;
-  mine.dtype = static_cast<int32_t>(dtype);
-  mine.count = count;
-  mine.small_bytes = small_bytes;
-  mine.chunk_bytes = chunk_bytes;
   const int n = world_;
   const double scale = 1.0 / n;
   if (n == 1) {
@@ -377,7 +326,7 @@ void Comm::all_reduce(void* data, int64_t count, DType dtype, int op, int64_t sm
     gather_.resize(bytes * n);
     auto blob = [&](int k) { return k == r ? base : gather_.data() + bytes * k; };
     for (int s = 0; s < n - 1; ++s) {
-      steps.push_back({blob(mod(r - s)), bytes, blob(mod(r - s - 1)), bytes, false, false});
+      steps.push_back({blob(mod(r - s)), bytes, blob(mod(r - s - 1)), bytes, false, false, false});
     }
   } else {
     std::vector<int64_t> lo(n + 1);
@@ -386,11 +335,11 @@ void Comm::all_reduce(void* data, int64_t count, DType dtype, int op, int64_t sm
     auto len = [&](int k) { return static_cast<size_t>(lo[k + 1] - lo[k]) * es; };
     for (int s = 0; s < n - 1; ++s) {
       const int a = mod(r - s), b = mod(r - s - 1);
-      steps.push_back({seg(a), len(a), seg(b), len(b), true, s == n - 2});
+      steps.push_back({seg(a), len(a), seg(b), len(b), true, s == n - 2, false});
     }
     for (int s = 0; s < n - 1; ++s) {
       const int a = mod(r + 1 - s), b = mod(r - s);
-      steps.push_back({seg(a), len(a), seg(b), len(b), false, false});
+      steps.push_back({seg(a), len(a), seg(b), len(b), false, false, false});
     }
   }
   const size_t chunk = std::max<size_t>(static_cast<size_t>(std::max<int64_t>(chunk_bytes, 4096)) / es * es, es);
@@ -400,6 +349,67 @@ void Comm::all_reduce(void* data, int64_t count, DType dtype, int op, int64_t sm
     for (int k = 0; k < n; ++k) xs[k] = k == r ? base : gather_.data() + bytes * k;
     combine(op, dtype, base, xs.data(), n, count, op == kMean, scale);
   }
+}
+
+void Comm::all_gather(const void* in, void* out, size_t nbytes, const Desc& d, double timeout_s) {
+  const Header mine = header(d, 0, 0);
+  const int n = world_, r = rank_;
+  char* base = static_cast<char*>(out);
+  if (in != base + nbytes * r && nbytes) std::memcpy(base + nbytes * r, in, nbytes);
+  if (n == 1) return;
+  auto mod = [n](int v) { return ((v % n) + n) % n; };
+  std::vector<Step> steps;
+  for (int s = 0; s < n - 1; ++s) {  // step s forwards the block received in step s - 1
+    steps.push_back({base + nbytes * mod(r - s), nbytes, base + nbytes * mod(r - s - 1), nbytes, false, false,
+                     false});
+  }
+  run(mine, steps, DType::kFloat32, kSum, 1.0, 0, false, timeout_s);
+}
+
+void Comm::broadcast(void* data, size_t nbytes, const Desc& d, double timeout_s) {
+  const Header mine = header(d, 0, 0);
+  const int n = world_;
+  if (n == 1) return;
+  char* p = static_cast<char*>(data);
+  const int dist = ((rank_ - d.root) % n + n) % n;  // position in the chain from the root
+  char token = 1;
+  std::vector<Step> steps;
+  if (dist == 0) {  // the root sends, then waits for the last rank's token
+    steps.push_back({p, nbytes, nullptr, 0, false, false, false});
+    steps.push_back({nullptr, 0, &token, 1, false, false, false});
+  } else if (dist < n - 1) {  // receive and forward as the bytes arrive
+    steps.push_back({nullptr, 0, p, nbytes, false, false, false});
+    steps.push_back({p, nbytes, nullptr, 0, false, false, false});
+  } else {  // the last rank: receive, then send the token to the root once everything arrived
+    steps.push_back({nullptr, 0, p, nbytes, false, false, false});
+    steps.push_back({&token, 1, nullptr, 0, false, false, true});
+  }
+  run(mine, steps, DType::kFloat32, kSum, 1.0, 0, false, timeout_s);
+}
+
+void Comm::reduce_scatter(void* work, void* out, int64_t count, DType dtype, int op, int64_t chunk_bytes,
+                          double timeout_s) {
+  if (op < kSum || op > kProduct) throw std::invalid_argument("ring: bad reduce op code " + std::to_string(op));
+  const Header mine = header({kReduceScatter, op, static_cast<int32_t>(dtype), count, 0}, 0, chunk_bytes);
+  const int n = world_, r = rank_;
+  const size_t es = dtype_size(dtype);
+  const size_t bytes = static_cast<size_t>(count) * es;
+  char* base = static_cast<char*>(work);
+  const double scale = 1.0 / n;
+  if (n == 1) {
+    const void* xs[1] = {base};
+    combine(op, dtype, out, xs, 1, count, op == kMean, scale);
+    return;
+  }
+  auto mod = [n](int v) { return ((v % n) + n) % n; };
+  std::vector<Step> steps;
+  for (int s = 0; s < n - 1; ++s) {  // ends on block r: step s sends block r-s-1, reduces into block r-s-2
+    const int a = mod(r - s - 1), b = mod(r - s - 2);
+    steps.push_back({base + bytes * a, bytes, base + bytes * b, bytes, true, s == n - 2, false});
+  }
+  const size_t chunk = std::max<size_t>(static_cast<size_t>(std::max<int64_t>(chunk_bytes, 4096)) / es * es, es);
+  run(mine, steps, dtype, op, scale, chunk, false, timeout_s);
+  if (bytes) std::memcpy(out, base + bytes * r, bytes);
 }
 
 void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op, double scale,
@@ -515,7 +525,7 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
     if (threaded || ss >= S) return 0;
     const Step& st = steps[ss];
     size_t lim = st.send_len;
-    if (ss > 0 && rs <= ss - 1) lim = (rs == ss - 1) ? std::min(lim, poff) : 0;
+    if (ss > 0 && rs <= ss - 1) lim = (rs == ss - 1 && !st.after_prev) ? std::min(lim, poff) : 0;
     return lim - soff;
   };
   for (;;) {
@@ -593,7 +603,7 @@ void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op
             }
             if (theirs.seq != mine.seq || theirs.op != mine.op || theirs.dtype != mine.dtype ||
                 theirs.count != mine.count || theirs.small_bytes != mine.small_bytes ||
-                theirs.chunk_bytes != mine.chunk_bytes) {
+                theirs.chunk_bytes != mine.chunk_bytes || theirs.kind != mine.kind || theirs.root != mine.root) {
               broken_ = true;  // the caller publishes the mismatch, then closes (the peers see EOF after it)
               RingError e(RingError::kMismatch, left, "collective mismatch");
               e.mine = mine;

@@ -16,6 +16,14 @@
 // steps (received straight into the output). Sends are streamed: a step's bytes are sent as soon as the
 // previous step has reduced them, so sending overlaps receiving and reducing (non-blocking sockets, poll).
 //
+// Besides the all-reduce, the same engine runs the all-gather (n-1 steps forwarding blocks), the
+// reduce-scatter (the all-reduce's first half, ending on the rank's own block), the broadcast (a pipelined
+// chain from the root, closed by a one-byte token from the last rank back to the root, so the root too
+// returns only once every rank has checked its left neighbour's descriptor) and the barrier (an all-gather
+// of one byte). The descriptor carries the collective's kind and root, so two ranks calling different
+// collectives are caught like two ranks reducing different sizes. A call that returns has received bytes
+// that passed through every other rank after each checked its left neighbour's descriptor, so all agreed.
+//
 // Every wait is bounded: no progress within the timeout raises kTimeout naming the neighbour waited on; EOF
 // or a reset raises kPeerDead naming the neighbour. After any error the communicator is closed (broken).
 #pragma once
@@ -26,13 +34,12 @@
 #include <string>
 #include <vector>
 
-#include "core/reduce_kernels.h"
+#include "core/combine.h"
+#include "core/desc.h"
 
 namespace torchstrategies {
 namespace core {
 namespace ring {
-
-enum Op : int { kSum = 0, kMean = 1, kMin = 2, kMax = 3, kProduct = 4 };
 
 // The call descriptor: the first 64 bytes of every call's stream.
 struct Header {
@@ -40,12 +47,13 @@ struct Header {
   int32_t rank;  // the sender's group rank
   uint64_t group;
   uint64_t seq;
-  int32_t op;
-  int32_t dtype;  // core::DType
-  int64_t count;
+  int32_t op;     // core::Op for reductions, else a tag the caller chooses (compared like the rest)
+  int32_t dtype;  // core::DType for reductions, else a tag the caller chooses (e.g. the torch dtype)
+  int64_t count;  // elements for reductions, else bytes per rank
   int64_t small_bytes;
   int64_t chunk_bytes;
-  uint64_t pad;
+  int32_t kind;  // core::CallKind
+  int32_t root;  // the broadcast's root (group rank), else 0
 };
 static_assert(sizeof(Header) == 64, "Header must be 64 bytes");
 
@@ -64,11 +72,9 @@ struct Options {
   bool nodelay = true;       // TCP_NODELAY
 };
 
-// out = op(xs[0], ..., xs[n-1]) element-wise in that order, scaled by `scale` if has_scale (SUM/MEAN only);
-// `out` may alias any input exactly.
-void combine(int op, DType dtype, void* out, const void* const* xs, int n, int64_t len, bool has_scale,
-             double scale);
-size_t dtype_size(DType dtype);
+using Desc = CallDesc;
+// The caller's view of a call descriptor.
+inline CallDesc desc_of(const Header& h) { return {h.kind, h.op, h.dtype, h.count, h.root}; }
 
 class Comm {
  public:
@@ -87,6 +93,14 @@ class Comm {
   // In-place all-reduce of `count` elements of `dtype` at `data`.
   void all_reduce(void* data, int64_t count, DType dtype, int op, int64_t small_bytes, int64_t chunk_bytes,
                   double timeout_s);
+  // out[r * nbytes, (r+1) * nbytes) = rank r's `in` (nbytes each; `in` may be this rank's block of `out`).
+  // `d.kind` says what for (kAllGather, kBarrier, or a kind handed to gloo, whose descriptor this agrees on).
+  void all_gather(const void* in, void* out, size_t nbytes, const Desc& d, double timeout_s);
+  // Copies `root`'s nbytes at `data` into every rank's `data` (d.kind = kBroadcast, d.root = root).
+  void broadcast(void* data, size_t nbytes, const Desc& d, double timeout_s);
+  // out = op over ranks of block r of `work` (world blocks of `count` elements; `work` is overwritten).
+  void reduce_scatter(void* work, void* out, int64_t count, DType dtype, int op, int64_t chunk_bytes,
+                      double timeout_s);
   void close();
 
   int rank() const { return rank_; }
@@ -102,7 +116,9 @@ class Comm {
     size_t recv_len;
     bool reduce;      // combine into recv (via the staging buffer) instead of receiving into it
     bool scale_last;  // apply MEAN's scale in this step's combine
+    bool after_prev;  // send only once the previous step has received everything
   };
+  Header header(const Desc& d, int64_t small_bytes, int64_t chunk_bytes);
   void run(const Header& mine, std::vector<Step>& steps, DType dtype, int op, double scale,
            size_t chunk_bytes, bool tiny, double timeout_s);
   [[noreturn]] void fail(RingError::Kind kind, int peer, const std::string& msg);

@@ -267,14 +267,12 @@ void Comm::notify() {
 
 void Comm::fail(CommError::Kind kind, const std::string& msg, std::vector<int> missing) {
   broken_ = true;
-  if (kind != CommError::kMismatch) {
-    int expected = 0;
-    if (hdr_->aborted.load(std::memory_order_relaxed) == 0) {
-      hdr_->abort_kind.store(static_cast<int32_t>(kind), std::memory_order_relaxed);
-    }
-    hdr_->aborted.compare_exchange_strong(expected, rank_ + 1);
-    notify();
+  int expected = 0;
+  if (hdr_->aborted.load(std::memory_order_relaxed) == 0) {
+    hdr_->abort_kind.store(static_cast<int32_t>(kind), std::memory_order_relaxed);
   }
+  hdr_->aborted.compare_exchange_strong(expected, rank_ + 1);
+  notify();
   throw CommError(kind, msg, std::move(missing));
 }
 
@@ -282,7 +280,7 @@ void Comm::check_usable() const {
   if (broken_) {
     throw CommError(CommError::kBroken,
                     "shared-memory communicator '" + seg_->name() +
-                        "' is broken by an earlier error (timeout, dead peer or mismatched call); "
+                        "' is broken by an earlier error (a timeout or a dead peer); "
                         "create a new group",
                     {});
   }
@@ -399,7 +397,12 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
         << std::dec << ", count " << d1 << ", extra " << d2 << "} but rank " << j << " called {code "
         << std::hex << d[0] << std::dec << ", count " << d[1] << ", extra " << d[2]
         << "} (code = kind<<32 | op<<16 | dtype; count = elements or bytes)";
-      fail(CommError::kMismatch, s.str(), {j});
+      round_ = seq_;  // every rank raises at this barrier: realign the slot parity and stay usable
+      CommError e(CommError::kMismatch, s.str(), {j});
+      std::memcpy(e.mine, me.desc[par], sizeof e.mine);
+      std::memcpy(e.theirs, d, sizeof e.theirs);
+      e.other = j;
+      throw e;
     }
   }
 }
@@ -407,6 +410,38 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
 void Comm::barrier(double timeout_s) {
   check_usable();
   sync(0xBA, 0, 0, timeout_s, "barrier");
+}
+
+void Comm::check(uint64_t code, uint64_t d1, uint64_t d2, double timeout_s, const char* what) {
+  check_usable();
+  sync((7ULL << 32) | (code & 0xFFFFFFFFULL), d1, d2, timeout_s, what);
+}
+
+void Comm::reduce_scatter(const char* in, char* out, int64_t count, const Reducer& r, double timeout_s) {
+  check_usable();
+  const size_t es = r.esize;
+  if (world_ == 1) {
+    const void* xs[1] = {in};
+    if (count > 0) r.reduce(out, xs, 1, count);
+    return;
+  }
+  const uint64_t code = (6ULL << 32) | r.code;
+  // Each round moves `per` elements of every block: this rank's slot holds them block after block.
+  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(slot_bytes_ / es) / world_);
+  std::vector<const void*> ins(world_);
+  int64_t off = 0;
+  do {
+    const int64_t c = std::min(per, count - off);
+    const int b = static_cast<int>(round_++ & 1);
+    for (int j = 0; j < world_; ++j) {
+      std::memcpy(slot(rank_, b) + static_cast<size_t>(j * c) * es, in + static_cast<size_t>(j * count + off) * es,
+                  static_cast<size_t>(c) * es);
+    }
+    sync(code, static_cast<uint64_t>(count), static_cast<uint64_t>(off), timeout_s, "reduce_scatter");
+    for (int j = 0; j < world_; ++j) ins[j] = slot(j, b) + static_cast<size_t>(rank_ * c) * es;
+    if (c > 0) r.reduce(out + static_cast<size_t>(off) * es, ins.data(), world_, c);
+    off += c;
+  } while (off < count);
 }
 
 void Comm::all_reduce(char* data, int64_t count, const Reducer& r, double timeout_s) {

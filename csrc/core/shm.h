@@ -12,9 +12,11 @@
 // peer sharing our CPU with other jobs, still progress without burning its time slice. Every
 // wait is bounded by a timeout and polls the pids of the ranks that have not arrived; a timeout, a dead
 // peer or a peer that aborted raises CommError, and the communicator is marked broken (aborted in the
-// header, so every other rank fails fast too).
+// header, so every other rank fails fast too). A mismatched call is different: every rank sees every
+// descriptor at the barrier where they differ, so all raise there, realign their staging rounds and can
+// go on using the communicator.
 //
-// The element-wise reduction is supplied by the caller (Reducer), so this file never sees a dtype.
+// The element-wise reduction is supplied by the caller (Reducer; OpReducer is core/combine's).
 #pragma once
 
 #include <atomic>
@@ -24,6 +26,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "core/combine.h"
 
 namespace torchstrategies {
 namespace core {
@@ -87,6 +91,10 @@ class CommError : public std::runtime_error {
   Kind kind;
   Kind cause;  // for kAborted: the kind of the failure of the rank that gave up (kTimeout, kPeerDead...)
   std::vector<int> missing;
+  // kMismatch: this rank's barrier descriptor {code, count, extra} and that of rank `other`, which differs.
+  uint64_t mine[3] = {0, 0, 0};
+  uint64_t theirs[3] = {0, 0, 0};
+  int other = -1;
 };
 
 // out = reduce(ins[0..n)) over `count` elements; `out` may alias ins[i].
@@ -95,6 +103,21 @@ struct Reducer {
   virtual void reduce(void* out, const void* const* ins, int n, int64_t count) const = 0;
   size_t esize = 1;
   uint64_t code = 0;  // op and dtype, compared across ranks
+};
+
+// The reducer of a core::Op on a core::DType (MEAN scales by 1 / world).
+struct OpReducer : Reducer {
+  OpReducer(int op, DType dtype, int world)
+      : op(op), dtype(dtype), scale(1.0 / world) {
+    esize = dtype_size(dtype);
+    code = (static_cast<uint64_t>(op) << 16) | static_cast<uint64_t>(dtype);
+  }
+  void reduce(void* out, const void* const* ins, int n, int64_t count) const override {
+    combine(op, dtype, out, ins, n, count, op == kMean, scale);
+  }
+  int op;
+  DType dtype;
+  double scale;
 };
 
 // One tensor's storage in a multi-tensor all-reduce: `count` elements at `data`.
@@ -124,7 +147,12 @@ class Comm {
   void all_reduce_many(const std::vector<Piece>& pieces, const Reducer& r, double timeout_s);
   void broadcast(char* data, size_t nbytes, int root, double timeout_s);
   void all_gather(const char* in, size_t nbytes, char* out, double timeout_s);
+  // out = r's block of `in` (world blocks of `count` elements) reduced over the ranks; `in` is not written.
+  void reduce_scatter(const char* in, char* out, int64_t count, const Reducer& r, double timeout_s);
   void barrier(double timeout_s);
+  // A barrier that also compares a caller's descriptor {code, d1, d2} across the ranks (kind 7 in the top
+  // bits of code): raises kMismatch on every rank if any differs.
+  void check(uint64_t code, uint64_t d1, uint64_t d2, double timeout_s, const char* what);
 
   // Collective: a segment holding `bytes_per_rank` for every rank; returns this rank's part.
   char* alloc_buffer(size_t bytes_per_rank, double timeout_s, std::shared_ptr<Segment>* keep);

@@ -1,5 +1,6 @@
-// pybind11 glue for the shared-memory communicator (csrc/core/shm.h): tensors in, raw pointers and a
-// dtype-specific Reducer (on core::reduce_range, csrc/core/reduce_kernels.h) down to the torch-free protocol.
+// pybind11 glue for the shared-memory communicator (csrc/core/shm.h) used directly from Python (the
+// benchmark's baseline row and the segment clean-up tests; the package itself reaches SHM through the
+// torch.distributed backend, csrc/cpu/backend*.cpp): tensors in, raw pointers and an OpReducer down.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -20,72 +21,17 @@ using core::shm::Comm;
 using core::shm::CommError;
 using core::shm::Reducer;
 
-enum Op { kSum = 0, kMean = 1, kMin = 2, kMax = 3 };
+using core::shm::OpReducer;
 
-template <typename T> constexpr core::DType core_dtype();
-template <> constexpr core::DType core_dtype<float>() { return core::DType::kFloat32; }
-template <> constexpr core::DType core_dtype<double>() { return core::DType::kFloat64; }
-template <> constexpr core::DType core_dtype<c10::Half>() { return core::DType::kFloat16; }
-template <> constexpr core::DType core_dtype<c10::BFloat16>() { return core::DType::kBFloat16; }
-template <> constexpr core::DType core_dtype<int32_t>() { return core::DType::kInt32; }
-template <> constexpr core::DType core_dtype<int64_t>() { return core::DType::kInt64; }
-
-template <typename T>
-struct TypedReducer : Reducer {
-  int op;
-  double scale;
-  void reduce(void* out, const void* const* ins, int n, int64_t count) const override {
-    T* o = static_cast<T*>(out);
-    const T* const* xs = reinterpret_cast<const T* const*>(ins);
-    if (op == kSum || op == kMean) {
-      // The vectorized per-ISA kernels (sequential order: same rounding as x0 + x1 + ...).
-      core::reduce_range(core::Order::kSequential, core_dtype<T>(), out, ins, n, count, op == kMean, scale);
-      return;
-    }
-    // MIN / MAX: per block, rank order; NaN propagates like torch.minimum / torch.maximum.
-    for (int64_t i = 0; i < count; ++i) {
-      T v = xs[0][i];
-      for (int j = 1; j < n; ++j) {
-        const T x = xs[j][i];
-        if constexpr (std::is_floating_point_v<T> || std::is_same_v<T, c10::Half> ||
-                      std::is_same_v<T, c10::BFloat16>) {
-          if (x != x) { v = x; continue; }
-          if (v != v) continue;
-        }
-        if (op == kMin ? (x < v) : (x > v)) v = x;
-      }
-      o[i] = v;
-    }
-  }
-};
-
+// A collective's reducer for a tensor dtype and a core::Op code (a clear error for what we do not take).
 std::unique_ptr<Reducer> make_reducer(at::ScalarType dt, int op, int world) {
-  if (op < kSum || op > kMax) throw std::invalid_argument("shm: bad reduce op code " + std::to_string(op));
-  std::unique_ptr<Reducer> r;
-  AT_DISPATCH_SWITCH(dt, "shm_reducer",
-      AT_DISPATCH_CASE_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, [&] {
-        auto t = std::make_unique<TypedReducer<scalar_t>>();
-        t->op = op;
-        t->scale = 1.0 / world;
-        r = std::move(t);
-      })
-      AT_DISPATCH_CASE(at::kInt, [&] {
-        TORCH_CHECK(op != kMean, "shm all_reduce: MEAN is not defined for int32 tensors");
-        auto t = std::make_unique<TypedReducer<scalar_t>>();
-        t->op = op;
-        t->scale = 1.0;
-        r = std::move(t);
-      })
-      AT_DISPATCH_CASE(at::kLong, [&] {
-        TORCH_CHECK(op != kMean, "shm all_reduce: MEAN is not defined for int64 tensors");
-        auto t = std::make_unique<TypedReducer<scalar_t>>();
-        t->op = op;
-        t->scale = 1.0;
-        r = std::move(t);
-      }));
-  r->esize = c10::elementSize(dt);
-  r->code = (static_cast<uint64_t>(op) << 16) | static_cast<uint64_t>(dt);
-  return r;
+  TORCH_CHECK(op >= core::kSum && op < core::kNumOps, "shm: bad reduce op code ", op);
+  const std::optional<core::DType> d = kernel_dtype(dt);
+  TORCH_CHECK(d.has_value(), "shm all_reduce: unsupported dtype ", dt,
+              " (supported: float32, float64, float16, bfloat16, int32, int64)");
+  TORCH_CHECK(op != core::kMean || at::isFloatingType(dt), "shm all_reduce: MEAN is not defined for ", dt,
+              " tensors");
+  return std::make_unique<OpReducer>(op, *d, world);
 }
 
 void check_tensor(const char* what, const at::Tensor& t) {
@@ -205,7 +151,7 @@ class PyComm {
   // Reducers are immutable once built: one per (dtype, op), made on first use.
   const Reducer& reducer(at::ScalarType dt, int op) {
     const int d = static_cast<int>(dt);
-    if (op >= kSum && op <= kMax && d >= 0 && d < kDtypes) {
+    if (op >= core::kSum && op < core::kNumOps && d >= 0 && d < kDtypes) {
       auto& slot = reducers_[d][op];
       if (!slot) slot = make_reducer(dt, op, comm_->world());
       return *slot;
@@ -215,7 +161,7 @@ class PyComm {
   }
   static constexpr int kDtypes = 32;
   std::shared_ptr<Comm> comm_;
-  std::unique_ptr<Reducer> reducers_[kDtypes][4];
+  std::unique_ptr<Reducer> reducers_[kDtypes][core::kNumOps];
   std::unique_ptr<Reducer> scratch_;
 };
 
@@ -281,10 +227,11 @@ void init_shm_bindings(py::module_& m) {
   g_deadline_error = deadline.ptr();
   // The reduce-op codes every communicator call takes: the one table Python imports.
   py::dict op_codes;
-  op_codes["SUM"] = static_cast<int>(kSum);
-  op_codes["MEAN"] = static_cast<int>(kMean);
-  op_codes["MIN"] = static_cast<int>(kMin);
-  op_codes["MAX"] = static_cast<int>(kMax);
+  op_codes["SUM"] = static_cast<int>(core::kSum);
+  op_codes["MEAN"] = static_cast<int>(core::kMean);
+  op_codes["MIN"] = static_cast<int>(core::kMin);
+  op_codes["MAX"] = static_cast<int>(core::kMax);
+  op_codes["PRODUCT"] = static_cast<int>(core::kProduct);
   m.attr("REDUCE_OP_CODES") = op_codes;
   // Every dtype a collective may see: torch.dtype -> (code in call descriptors = c10's ScalarType number,
   // the kernels' core::DType code or -1 where our kernels do not take it, is floating point).

@@ -1,4 +1,5 @@
-"""A/B of our C++ TCP ring against gloo's all_reduce, interleaved in one run (medians per size).
+"""A/B of our C++ TCP ring (a RING group of the "torchstrategies" backend) against gloo's all_reduce,
+interleaved in one run (medians per size).
 
 Run (ws=2 on one machine, loopback):
     torchrun --standalone --nproc_per_node 2 tests/scripts/ab_ring_vs_gloo.py --sizes 4096,1048576,67108864
@@ -22,15 +23,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=0, help="rounds per size (0: by size)")
     a = p.parse_args()
     dist.init_process_group("gloo")
-    from torchstrategies.collectives import ring
-    from torchstrategies.reduce_op import ReduceOp
+    from torchstrategies.collectives import BackendOptions
+
+    ring = dist.new_group(backend="torchstrategies", pg_options=BackendOptions("RING", 60))
 
     for nbytes in (int(s) for s in a.sizes.split(",")):
         x = torch.ones(nbytes // 4)
         iters = a.iters or max(5, min(200, (64 << 20) // max(nbytes, 1) // 4))
         for _ in range(3):  # warm-up (connections, buffers)
             dist.all_reduce(x)
-            ring.all_reduce_(x, ReduceOp.SUM, None, 60.0)
+            dist.all_reduce(x, group=ring)
         tg, tr = [], []
         for _ in range(iters):
             dist.barrier()
@@ -39,7 +41,7 @@ def main() -> None:
             tg.append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
-            ring.all_reduce_(x, ReduceOp.SUM, None, 60.0)
+            dist.all_reduce(x, group=ring)
             tr.append(time.perf_counter() - t0)
         g, r = statistics.median(tg) * 1e6, statistics.median(tr) * 1e6
         if dist.get_rank() == 0:

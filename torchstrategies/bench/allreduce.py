@@ -31,9 +31,9 @@ __all__ = ["run", "plot", "busbw", "machine", "DEFAULT_SIZES", "DEFAULT_IMPLEMEN
 
 ROOFLINE = "loopback-roofline"
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
-DEFAULT_IMPLEMENTATIONS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "ring", "tree", ROOFLINE]
+DEFAULT_IMPLEMENTATIONS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "dist-backend", "ring", ROOFLINE]
 # With simulated hosts SHM cannot span the world group; HIERARCHICAL is what is worth seeing there.
-SIMULATED_HOSTS_IMPLEMENTATIONS = ["gloo", "ring", "tree", "hierarchical", ROOFLINE]
+SIMULATED_HOSTS_IMPLEMENTATIONS = ["gloo", "ring", "hierarchical", "dist-backend", ROOFLINE]
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ["hierarchical", "auto"]
 _SHM = ("shm", "shm-comm", "shm-zero-copy")
 COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo",
@@ -74,7 +74,7 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     Args:
         nproc: ranks on this host.
         sizes: message sizes in bytes (float32 tensors; the roofline moves raw bytes).
-        implementations: any of gloo, shm, shm-comm, shm-zero-copy, ring, tree, hierarchical, auto,
+        implementations: any of gloo, shm, shm-comm, shm-zero-copy, dist-backend, ring, hierarchical, auto,
             loopback-roofline. gloo is always added (the speed-ups are over it). Default:
             DEFAULT_IMPLEMENTATIONS, or SIMULATED_HOSTS_IMPLEMENTATIONS with ``simulate_hosts > 1``.
         progress: show a progress bar on stderr.
@@ -176,8 +176,9 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
             f"rank, non-blocking, {bufs}, no reduction); fraction_of_roofline = busbw / its busbw (SHM rows use "
             "no sockets and can exceed 1).")
     if any(r["implementation"] in _SHM for r in data["rows"]):
-        notes.append("shm-zero-copy reduces a collectives.buffer() tensor in place; shm-comm skips the Python "
-                     "API layer.")
+        notes.append("shm-zero-copy reduces a collectives.buffer() tensor in place; shm-comm calls the "
+                     "shared-memory communicator directly (no backend, no API layer); dist-backend is "
+                     "dist.all_reduce on a 'torchstrategies' process group (what DDP calls).")
     p = data.get("packed")
     if p:
         notes.append(
@@ -185,9 +186,9 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
             f"packed SHM {p['shm'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['shm']:.1f}x); "
             f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)")
     if len(set(hosts)) > 1:
-        notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; HIERARCHICAL saw "
-                     f"{data.get('hierarchical_hosts')} hosts, its inter-host stage called "
-                     f"{data.get('hierarchical_leader_all_reduce')}")
+        notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; the HIERARCHICAL row's "
+                     f"backend saw {data.get('hierarchical_hosts')} hosts and runs the plan "
+                     f"{data.get('hierarchical_plan')}")
     load = data.get("load")
     if load:
         notes.append(f"1-minute load average of this machine before/after the run: {load[0]:.2f} / {load[1]:.2f} "
@@ -199,7 +200,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
              f"torch {data.get('torch')})")
     meta = {"packed_seconds": p, "nproc": nproc, "load": load, "machine": data.get("machine"), "hosts": hosts,
             "hierarchical_hosts": data.get("hierarchical_hosts"),
-            "hierarchical_leader_all_reduce": data.get("hierarchical_leader_all_reduce"), "simulate_hosts": sim,
+            "hierarchical_plan": data.get("hierarchical_plan"), "simulate_hosts": sim,
             "rounds": data.get("rounds")}
     return BenchResult(title, COLUMNS, rows, notes, meta)
 

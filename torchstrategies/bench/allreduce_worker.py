@@ -6,10 +6,14 @@
 Every rank times the same calls back to back; the time of a call is the slowest rank's median. With
 ``--rounds R`` every case is timed once per round, the cases interleaved, and the median over the rounds
 is reported: a burst of load from other jobs then hits one round of every row, not one row.
-Rows: one per (size, implementation); "shm-zero-copy" reduces a buffer that already lives in the
-shared segment (``collectives.buffer``); "shm-comm" calls the communicator without the Python API
-layer; "loopback-roofline" is raw TCP bytes between the ranks (``bench/loopback.py``). When an SHM row is
-selected, also the packed case: 100 tensors of 10k floats in one packed all-reduce vs 100 gloo calls.
+Rows: one per (size, implementation); "shm", "ring", "hierarchical", "auto" go through our API
+(``collectives.all_reduce_`` on the gloo world, which runs on a "torchstrategies" backend made over its ranks);
+"dist-backend" is ``dist.all_reduce`` on a process group made with ``dist.new_group(backend="torchstrategies")``
+(AUTO), i.e. what DDP and FSDP call; "shm-zero-copy" reduces a buffer that already lives in the shared segment
+(``collectives.buffer``); "shm-comm" calls the shared-memory communicator (``_C.ShmComm``) directly from
+Python, on this thread, with no backend, queue or API in between: the floor the others are compared with;
+"loopback-roofline" is raw TCP bytes between the ranks (``bench/loopback.py``). When an SHM row is selected,
+also the packed case: 100 tensors of 10k floats in one packed all-reduce vs 100 gloo calls.
 
 Before every timed case (every round) each implementation reduces a known pattern once and the result is
 compared with the exact sum on every rank (the roofline compares the received bytes with what its left
@@ -33,14 +37,14 @@ import torch
 import torch.distributed as dist
 
 from torchstrategies import collectives as C
+from torchstrategies._ext import _C
 from torchstrategies.bench.loopback import LoopbackRing, ring_bytes
 from torchstrategies.bench.report import median
-from torchstrategies.collectives import shm, topology
-from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.collectives import topology
 
 ROOFLINE = "loopback-roofline"
 SHM_IMPLS = ("shm", "shm-comm", "shm-zero-copy")
-IMPLS = ["gloo", *SHM_IMPLS, "ring", "tree", "hierarchical", "auto", ROOFLINE]
+IMPLS = ["gloo", *SHM_IMPLS, "dist-backend", "ring", "hierarchical", "auto", ROOFLINE]
 
 
 def _iters(nbytes: int) -> int:
@@ -74,13 +78,43 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     return float(med.item())
 
 
+_SHM_COMM: list = []
+
+
+def _shm_comm() -> object:
+    """The shared-memory communicator of the world, made here directly (collective; one per run)."""
+    if not _SHM_COMM:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            name = f"/torchstrat_bench_{os.getpid()}"
+            comm = _C.ShmComm(name, 0, world, 4 << 20, True)
+            store.set("bench/shm", name)
+        else:
+            store.wait(["bench/shm"], timedelta(seconds=60))
+            comm = _C.ShmComm(store.get("bench/shm").decode(), rank, world, 4 << 20, False)
+        comm.attach(60.0)  # rank 0 unlinks the name once every rank has mapped it
+        _SHM_COMM.append(comm)
+    return _SHM_COMM[0]
+
+
+_BACKEND_GROUP: list = []
+
+
 def _call(impl: str, t: torch.Tensor) -> Callable[[], object]:
     if impl == "gloo":
         return lambda: dist.all_reduce(t)
     if impl == "shm-comm":
-        comm = shm.get_communicator(None, 300.0)
-        return lambda: comm.all_reduce_(t, ReduceOp.SUM, 300.0)
-    name = {"shm": "SHM", "shm-zero-copy": "SHM", "ring": "RING", "tree": "TREE", "auto": "AUTO",
+        comm = _shm_comm()
+        reduce = comm.all_reduce_  # type: ignore[attr-defined]
+        sum_code = int(_C.REDUCE_OP_CODES["SUM"])
+        return lambda: reduce(t, sum_code, 300.0)
+    if impl == "dist-backend":
+        if not _BACKEND_GROUP:
+            _BACKEND_GROUP.append(dist.new_group(backend="torchstrategies", timeout=timedelta(seconds=300)))
+        group = _BACKEND_GROUP[0]
+        return lambda: dist.all_reduce(t, group=group)
+    name = {"shm": "SHM", "shm-zero-copy": "SHM", "ring": "RING", "auto": "AUTO",
             "hierarchical": "HIERARCHICAL"}[impl]
     opts = C.CommunicationOptions(implementation=name, timeout_seconds=300)
     return lambda: C.all_reduce_(t, options=opts)
@@ -224,19 +258,16 @@ def main() -> None:
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
     packed = {k: median(v) for k, v in packed_rounds.items()} if packed_case else None
     buffer_bytes = ring.buffer_bytes if ring is not None else None
-    hier_hosts = hier_leader = None
-    if "hierarchical" in impls:
-        from torchstrategies.collectives import hierarchical
-
-        hier_hosts = hierarchical.layout().num_hosts
-        leader = getattr(hierarchical, "LEADER_ALL_REDUCE", [None])[0]  # what its inter-host stage called
-        hier_leader = f"{leader.__module__}.{leader.__qualname__}" if leader is not None else "unknown"
+    hier_hosts = hier_plan = None
+    if "hierarchical" in impls:  # what the backend made for HIERARCHICAL: its plan and how many hosts it saw
+        target = C.api._target(None, C.CommunicationImplementation.HIERARCHICAL, False)
+        hier_plan, hier_hosts = _C.backend_plan(target.obj)
     if ring is not None:
         ring.close()
     if rank == 0:
         with open(a.json, "w") as f:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
-                       "hierarchical_hosts": hier_hosts, "hierarchical_leader_all_reduce": hier_leader,
+                       "hierarchical_hosts": hier_hosts, "hierarchical_plan": hier_plan,
                        "socket_buffer_bytes": buffer_bytes,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()

@@ -5,6 +5,8 @@ with every requested runner in turn, interleaved over several rounds (medians re
 from the same run on the same machine state:
 
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on gloo (the baseline);
+* ``ddp-torchstrategies``: the same DDP on a process group of the ``"torchstrategies"`` backend
+  (``dist.new_group(backend="torchstrategies")``, AUTO: shared memory on one host);
 * ``mwms-<IMPL>``: MultiWorkerMirroredStrategy with ``CommunicationOptions(implementation=IMPL)``
   (``mwms-default`` is ``MultiWorkerMirroredStrategy()`` as a user gets it);
 * ``no-comm``: our strategy with every step under ``no_sync()``: the same work without communication, the
@@ -81,22 +83,33 @@ def _data(ctx: BenchContext) -> tuple[Any, Any]:
     return torch.randn(ctx.batch, SIZES[0], generator=g), torch.randint(0, SIZES[-1], (ctx.batch,), generator=g)
 
 
-def _ddp(ctx: BenchContext) -> tuple[Callable[[], None], Callable[[], None]]:
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _ddp(backend: str) -> Runner:
+    def setup(ctx: BenchContext) -> tuple[Callable[[], None], Callable[[], None]]:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(ctx.seed)
-    model = DDP(make_mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = _data(ctx)
+        import torchstrategies  # noqa: F401 - registers the "torchstrategies" backend
 
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        group = None if backend == "gloo" else dist.new_group(backend=backend)
+        torch.manual_seed(ctx.seed)
+        model = DDP(make_mlp(), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = _data(ctx)
 
-    return step, lambda: None
+        def step() -> None:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        def teardown() -> None:
+            if group is not None:
+                dist.destroy_process_group(group)
+
+        return step, teardown
+
+    return setup
 
 
 def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str] | None = None) -> Runner:
@@ -142,10 +155,11 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
 def _implementations() -> list[str]:
     from torchstrategies import CommunicationImplementation
 
-    return [i.name for i in CommunicationImplementation if i.name not in ("NCCL", "AUTO")]
+    return [i.name for i in CommunicationImplementation if i.name not in ("NCCL", "AUTO", "TREE")]
 
 
-register_runner("ddp", _ddp)
+register_runner("ddp", _ddp("gloo"))
+register_runner("ddp-torchstrategies", _ddp("torchstrategies"))
 register_runner("mwms-default", _mwms(None))
 for _impl in _implementations():
     register_runner(f"mwms-{_impl}", _mwms(_impl), default=False)
@@ -199,7 +213,7 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
 
     Args:
         nproc: ranks (processes) on this host.
-        strategies: runner names (default: ddp, mwms-default, every mwms-<IMPL>, no-comm).
+        strategies: runner names (default: ddp, ddp-torchstrategies, mwms-default, every mwms-<IMPL>, no-comm).
         steps / warmup / rounds: timed steps per measurement, untimed steps before it, interleaved rounds.
         batch: per-rank batch size.
         progress: show a progress bar (stderr).
@@ -222,7 +236,7 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
     for m in RUNNER_MODULES + list(modules or []):
         __import__(m)
     names = list(strategies) if strategies else (
-        ["ddp", "mwms-default"] + [f"mwms-{i}" for i in _implementations()] + ["no-comm"])
+        ["ddp", "ddp-torchstrategies", "mwms-default"] + [f"mwms-{i}" for i in _implementations()] + ["no-comm"])
     unknown = [n for n in names if n not in RUNNERS]
     if unknown:
         raise ValueError(f"unknown runner(s) {unknown}; known: {sorted(RUNNERS)}")

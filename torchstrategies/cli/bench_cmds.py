@@ -144,9 +144,10 @@ def kernels(ctx: click.Context, n, kernel_sizes, repeats, progress, json_path, p
     "--impl",
     "impls",
     multiple=True,
-    help="Row to include (repeat): gloo, shm, shm-comm, shm-zero-copy, ring, tree, hierarchical, auto, "
-    "loopback-roofline (raw TCP bytes between the ranks). gloo is always added. Default: all but "
-    "hierarchical and auto (with --simulate-hosts: gloo, ring, tree, hierarchical, loopback-roofline).",
+    help="Row to include (repeat): gloo, shm, shm-comm, shm-zero-copy, dist-backend (dist.all_reduce on a "
+    "'torchstrategies' group), ring, hierarchical, auto, loopback-roofline (raw TCP bytes between the ranks). "
+    "gloo is always added. Default: all but hierarchical and auto (with --simulate-hosts: gloo, ring, "
+    "hierarchical, dist-backend, loopback-roofline).",
 )
 @click.option(
     "--repeats",

@@ -1,5 +1,6 @@
-"""Helpers shared by the implementations: op and dtype tables, bounded waits on c10d work, and the one
-place every collective error is built (a gone peer is UnavailableError, a late one DeadlineExceededError).
+"""The one place every collective error is built (a gone peer is UnavailableError, a late one
+DeadlineExceededError, ranks making different calls ValueError): from the torchstrategies backend's messages,
+and for gloo / NCCL groups from bounded waits on their work; plus the dtype and op tables.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 import weakref
 import zlib
@@ -20,7 +22,7 @@ from torchstrategies.errors import DeadlineExceededError, UnavailableError
 from torchstrategies.ops import DTYPE_CODES, FLOAT_DTYPES, SUPPORTED_DTYPES  # the one dtype table (from C++)
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["torch_op", "combine_", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
+__all__ = ["from_backend_error", "agree_on_first_use", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
            "SUPPORTED_DTYPES", "DTYPE_CODES", "OP_CODES", "report_fault", "reported_fault", "diagnose",
            "remember_peers", "host_hash"]
 
@@ -31,26 +33,24 @@ OP_CODES: dict[ReduceOp, int] = {op: int(_C.REDUCE_OP_CODES[op.name]) for op in 
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
 
 
-def torch_op(op: ReduceOp) -> Any:
-    """The c10d op that computes ``op`` (MEAN is a SUM followed by a division)."""
-    return {
-        ReduceOp.SUM: dist.ReduceOp.SUM,
-        ReduceOp.MEAN: dist.ReduceOp.SUM,
-        ReduceOp.MIN: dist.ReduceOp.MIN,
-        ReduceOp.MAX: dist.ReduceOp.MAX,
-    }[op]
+_BACKEND_ERRORS: dict[str, type[Exception]] = {
+    "DeadlineExceededError": DeadlineExceededError,
+    "UnavailableError": UnavailableError,
+    "ValueError": ValueError,
+}
 
 
-def combine_(dst: torch.Tensor, src: torch.Tensor, op: ReduceOp) -> None:
-    """dst = op(dst, src) in place; SUM/MEAN use our fused kernel (MEAN is divided later)."""
-    if op in (ReduceOp.SUM, ReduceOp.MEAN):
-        from torchstrategies import ops
-
-        ops.accumulate_(dst, [src])
-    elif op is ReduceOp.MIN:
-        torch.minimum(dst, src, out=dst)
-    else:
-        torch.maximum(dst, src, out=dst)
+def from_backend_error(exc: BaseException) -> BaseException:
+    """The documented error for one the torchstrategies backend raised (torch.distributed.DistBackendError
+    whose message starts with ``"torchstrategies <Name>: "``); anything else is returned as it is."""
+    text = str(exc)
+    start = text.find("torchstrategies ")
+    if start >= 0:
+        name, _, rest = text[start + len("torchstrategies "):].partition(": ")
+        kind = _BACKEND_ERRORS.get(name)
+        if kind is not None:
+            return kind(rest.strip())
+    return exc
 
 
 def deadline_error(what: str, group_desc: str, timeout: float, missing: list[int] | None, cause: Any) -> Exception:
@@ -170,6 +170,54 @@ def wait_work(work: Any, timeout: float, what: str, group_desc: str, peers: list
         raise deadline_error(what, group_desc, timeout, peers, "wait returned False")
 
 
+_STORE_SECONDS = 2.0  # bound on one store call on an error path (a frozen store host must not hang it)
+
+
+def _bounded(call: Any, seconds: float = _STORE_SECONDS) -> Any:
+    """Runs a store call on a daemon thread and waits at most ``seconds``; None if it did not answer."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except Exception:  # noqa: BLE001 - an unanswered or failed store call is "unknown"
+            pass
+
+    t = threading.Thread(target=run, daemon=True, name="torchstrategies-store")
+    t.start()
+    t.join(seconds)
+    return box[0] if box else None
+
+
+def agree_on_first_use(group: Any) -> bool:
+    """The first call on a gloo / NCCL group: every rank exchanges (TORCHSTRATEGIES_DEBUG, host, pid).
+
+    Debug mode adds a collective to every call, so ranks that disagree on it would pair different
+    collectives (and gloo aborts the process): a difference raises ValueError on every rank instead, naming
+    the variable. The pids let a later failure name the rank really at fault. Returns the agreed flag.
+    """
+    from torchstrategies.collectives import debug, topology
+
+    flag = debug.enabled()
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    device: Any = "cpu"
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([int(flag), host_hash(), os.getpid()], dtype=torch.int64, device=device)
+    out = torch.zeros((n, 3), dtype=torch.int64, device=device)
+    work = dist.all_gather(list(out.unbind(0)), mine, group=group, async_op=True)
+    ranks = topology.group_ranks(group)
+    wait_work(work, topology.group_timeout(group), "first call (settings check)", topology.describe_group(group),
+              [r for i, r in enumerate(ranks) if i != me])
+    rows = out.cpu().tolist()
+    remember_peers(group, [(int(r[1]), int(r[2])) for r in rows])
+    if len({r[0] for r in rows}) > 1:
+        values = ", ".join(f"rank {ranks[i]}: {'1' if r[0] else 'unset'}" for i, r in enumerate(rows))
+        raise ValueError(f"TORCHSTRATEGIES_DEBUG differs between ranks of {topology.describe_group(group)} "
+                         f"({values}); set the same value on every rank (it is read when a group is first used)")
+    return flag
+
+
 def _fault_key(group: Any) -> str:
     from torchstrategies.collectives import topology
 
@@ -180,9 +228,10 @@ def report_fault(group: Any, gone: int) -> None:
     """Records in the c10d store that global rank ``gone`` left ``group`` (best effort)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(_fault_key(group), f"{gone}:{dist.get_rank()}")
+        key = _fault_key(group)
     except Exception:  # noqa: BLE001 - the store may be gone too; the error itself is raised anyway
-        pass
+        return
+    _bounded(lambda: store.set(key, f"{gone}:{dist.get_rank()}"))
 
 
 def reported_fault(group: Any) -> tuple[int, int] | None:
@@ -190,11 +239,15 @@ def reported_fault(group: Any) -> tuple[int, int] | None:
     try:
         store = dist.distributed_c10d._get_default_store()
         key = _fault_key(group)
-        if not store.check([key]):
-            return None
-        gone, by = store.get(key).decode().split(":")
-        return int(gone), int(by)
     except Exception:  # noqa: BLE001
+        return None
+    if not _bounded(lambda: store.check([key])):
+        return None
+    raw = _bounded(lambda: store.get(key))
+    try:
+        gone, by = raw.decode().split(":")
+        return int(gone), int(by)
+    except Exception:  # noqa: BLE001 - no answer, or not ours
         return None
 
 

@@ -1,88 +1,188 @@
-"""One interface for every implementation: all_reduce / all_reduce_ / all_reduce_async, all_gather,
-broadcast, and ``buffer`` (a tensor that SHM can reduce without a copy in).
+"""One interface over process groups: all_reduce / all_reduce_ / all_reduce_async, all_gather, broadcast,
+``buffer`` (a tensor the shared-memory path reduces without a copy in) and ``new_group``.
 
-Example (under torchrun, gloo):
+Example (under torchrun, on any CPU group):
     >>> import torch, torchstrategies as ts
     >>> from torchstrategies import collectives as C
     >>> grads = [torch.ones(10), torch.ones(3, dtype=torch.float64)]          # doctest: +SKIP
     >>> C.all_reduce_(grads, op="sum", options=ts.CommunicationOptions(implementation="shm"))
     >>> fut = C.all_reduce_async(grads, op="mean"); ...; fut.wait()   # a torch.futures.Future
 
-AUTO picks the implementation from this table; the first row that matches wins (see docs/collectives.md
-for the benchmark behind it):
+Where a call runs (``CommunicationOptions.implementation``; the first row that matches wins):
 
-    1. tensors on CUDA                                   -> NCCL
-    1b. a dtype our kernels do not take (bool, int8, ...) -> GLOO
-    2. every rank of the group on this host              -> SHM
-    3. world group over several hosts, some with >1 rank -> HIERARCHICAL
-    4. otherwise (ranks on several hosts)                -> RING where the shipped measurement shows our C++
-                                                            TCP ring beating gloo for the message size
-                                                            (``ring.preferred``), else GLOO
-    (TREE over gloo point-to-point was slower than gloo's own all-reduce; it remains an explicit choice.)
+    1. tensors on CUDA (AUTO or NCCL)       -> the group's own CUDA backend (NCCL)
+    2. GLOO                                 -> the group's gloo backend (a gloo backend over the group's ranks
+                                               is made for groups on another backend)
+    3. AUTO, SHM, RING, HIERARCHICAL        -> the "torchstrategies" backend: the group itself when it is on
+                                               that backend (AUTO, or the implementation it runs), else one
+                                               made over the group's ranks the first time (collective)
+
+Inside the torchstrategies backend AUTO is: every rank on one host -> SHM; several hosts, some with more than
+one rank -> HIERARCHICAL; else RING; a dtype or op our kernels do not take goes to gloo (backend.py).
 """
 
 from __future__ import annotations
 
-import threading
+import datetime
+import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 
-from torchstrategies.collectives import debug, hierarchical, native, ring, shm, topology, tree
-from torchstrategies.collectives._common import SUPPORTED_DTYPES
+from torchstrategies._ext import _C
+from torchstrategies.collectives import backend as _backend
+from torchstrategies.collectives import debug, topology
+from torchstrategies.collectives._common import agree_on_first_use, from_backend_error, wait_work
 from torchstrategies.collectives.options import CommunicationImplementation as Impl
 from torchstrategies.collectives.options import CommunicationOptions
 from torchstrategies.collectives.packing import make_packs
-from torchstrategies.collectives.plan import Plan, PlanCache
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["all_reduce", "all_reduce_", "all_reduce_async", "all_gather", "broadcast", "buffer",
-           "choose", "TREE_MAX_BYTES"]
+__all__ = ["all_reduce", "all_reduce_", "all_reduce_async", "all_gather", "broadcast", "buffer", "choose",
+           "new_group"]
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]  # noqa: UP007 - a runtime alias on py3.10
-TREE_MAX_BYTES = 64 << 10
 _DEFAULT = CommunicationOptions()
-_executors: dict[tuple[int, ...], ThreadPoolExecutor] = {}
-_pending: dict[tuple[int, ...], list[Future]] = {}
-_lock = threading.Lock()
+_CPU = torch.device("cpu")
+_C10D_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.AVG, ReduceOp.MIN: dist.ReduceOp.MIN,
+             ReduceOp.MAX: dist.ReduceOp.MAX}
 
 
-# ----------------------------------------------------------------------------------------- choice
-def choose(impl: Impl, tensors: Sequence[torch.Tensor], group: Any) -> Impl:
-    """Resolves AUTO by the table above and checks that an explicit choice can run here."""
+# ------------------------------------------------------------------------------------------------ groups
+def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] | None = None) -> Any:
+    """A process group for ``options.implementation`` (collective over the world, like ``dist.new_group``).
+
+    AUTO, SHM, RING, HIERARCHICAL: a group on the ``"torchstrategies"`` backend running that implementation
+    (AUTO on a machine with CUDA: ``"cpu:torchstrategies,cuda:nccl"``, CUDA tensors go to NCCL); GLOO: a gloo
+    group; NCCL: an NCCL group. ``options.timeout_seconds`` (None: the world group's timeout)
+    bounds every collective of the group.
+
+    Args:
+        options: CommunicationOptions (None: AUTO).
+        ranks: global ranks of the group (None: every rank).
+
+    Returns:
+        The ``torch.distributed.ProcessGroup``.
+
+    Example:
+        >>> g = new_group(ts.CommunicationOptions(implementation="RING"))   # doctest: +SKIP
+        >>> torch.distributed.all_reduce(x, group=g)                        # doctest: +SKIP
+    """
+    opts = _options("new_group", options)
+    seconds = opts.timeout_seconds if opts.timeout_seconds is not None else topology.group_timeout(None)
+    timeout = datetime.timedelta(seconds=seconds)
+    members = None if ranks is None else list(ranks)
+    if opts.implementation is Impl.GLOO:
+        return dist.new_group(members, timeout=timeout, backend="gloo")
+    if opts.implementation is Impl.NCCL:
+        return dist.new_group(members, timeout=timeout, backend="nccl")
+    if opts.implementation is Impl.AUTO and torch.cuda.is_available():
+        # CUDA tensors to NCCL, CPU ones to ours (AUTO: no options object, which NCCL's creator would refuse)
+        return dist.new_group(members, timeout=timeout, backend=f"cpu:{_backend.BACKEND},cuda:nccl")
+    return dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
+                          pg_options=_backend.BackendOptions(opts.implementation, seconds))
+
+
+class _Target:
+    """Where a group's calls for one implementation run: ``obj`` takes c10d calls (a Backend, or the group
+    itself for CUDA tensors); ``avg`` says whether it computes ReduceOp.AVG (gloo does not)."""
+
+    __slots__ = ("obj", "ours", "avg", "debug", "generation", "__weakref__")
+
+    def __init__(self, obj: Any, ours: bool, avg: bool, debug_on: bool) -> None:
+        self.obj, self.ours, self.avg, self.debug = obj, ours, avg, debug_on
+        self.generation = topology.generation()  # topology.clear_caches() (new host identities) retires it
+
+
+# Per live group (held weakly, so a destroyed group goes at once): (implementation, cuda) -> _Target, or the
+# exception its set-up raised (a set-up is attempted once per group: the ranks cannot disagree on a count).
+_targets: weakref.WeakKeyDictionary[Any, dict[tuple[Impl, bool], Any]] = weakref.WeakKeyDictionary()
+
+
+def _target(group: Any, impl: Impl, cuda: bool) -> _Target:
+    g = topology.resolve(group)
+    per = _targets.get(g)
+    if per is None:
+        per = _targets[g] = {}
+    found = per.get((impl, cuda))
+    if isinstance(found, _Target) and found.generation == topology.generation():
+        return found
+    if isinstance(found, _Target):  # made before topology.clear_caches(): make it again (collective)
+        found = None
+    if found is not None:
+        raise RuntimeError(f"{impl.name} on {topology.describe_group(g)} failed to set up earlier ({found}); "
+                           "create a new process group") from found
+    _check_choice(impl, cuda, g)
+    try:
+        made = _make_target(g, impl, cuda)
+    except BaseException as exc:
+        per[(impl, cuda)] = exc
+        raise
+    per[(impl, cuda)] = made
+    return made
+
+
+def _check_choice(impl: Impl, cuda: bool, g: Any) -> None:
+    if impl is Impl.TREE:
+        _backend.BackendOptions(Impl.TREE)  # raises the ValueError that says TREE was removed
+    if impl is Impl.NCCL and (not cuda or "nccl" not in str(dist.get_backend(g))):
+        raise ValueError(f"implementation NCCL needs CUDA tensors and an NCCL process group; got "
+                         f"{'CUDA' if cuda else 'CPU'} tensors and backend {dist.get_backend(g)!r}")
+    if cuda and impl not in (Impl.AUTO, Impl.NCCL):
+        raise ValueError(f"implementation {impl.name} works on CPU tensors; got CUDA tensors (use AUTO or NCCL)")
+
+
+def _cpu_backend(g: Any) -> Any:
+    try:
+        return g._get_backend(_CPU)
+    except RuntimeError:  # a group without a CPU backend (NCCL only)
+        return None
+
+
+def _make_target(g: Any, impl: Impl, cuda: bool) -> _Target:
+    if cuda:
+        return _Target(g, False, True, agree_on_first_use(g))
+    own = _cpu_backend(g)
+    if impl is Impl.GLOO:
+        if own is not None and own.name() == "gloo":
+            return _Target(own, False, False, agree_on_first_use(g))
+        seconds = topology.group_timeout(g)
+        gloo = dist.ProcessGroupGloo(_derived_store(g, "GLOO"), dist.get_rank(g), dist.get_world_size(g),
+                                     datetime.timedelta(seconds=seconds))
+        return _Target(gloo, False, False, agree_on_first_use(g))
+    if own is not None and _C.is_torchstrategies_backend(own):
+        if impl is Impl.AUTO or _C.backend_plan(own)[0] == impl.name:
+            return _Target(own, True, True, debug.enabled())  # TORCHSTRATEGIES_DEBUG agreed at creation
+    made = _backend.make(_derived_store(g, impl.name), dist.get_rank(g), dist.get_world_size(g),
+                         topology.group_timeout(g), topology.group_ranks(g), topology.describe_group(g), impl)
+    return _Target(made, True, True, debug.enabled())
+
+
+def _derived_store(g: Any, what: str) -> Any:
+    store = dist.distributed_c10d._get_default_store()
+    return dist.PrefixStore(f"torchstrategies/{g.group_name}/{what}/{topology.generation()}/", store)
+
+
+def choose(impl: Impl | str, tensors: Sequence[torch.Tensor], group: Any) -> Impl:
+    """What runs a call with ``impl`` on these tensors: NCCL, GLOO, or the plan of the torchstrategies
+    backend (SHM, RING, HIERARCHICAL). Collective the first time per group and implementation."""
+    impl = Impl.from_any(impl)
     cuda = any(t.is_cuda for t in tensors)
-    if impl is Impl.AUTO:
-        if cuda:
-            return Impl.NCCL
-        if any(t.dtype not in SUPPORTED_DTYPES for t in tensors):
-            return Impl.GLOO  # e.g. bool, int8, complex: only the native all-reduce takes them
-        hosts = topology.group_hosts(group)
-        if len(set(hosts)) == 1:
-            return Impl.SHM
-        is_world = group is None or group is dist.group.WORLD
-        if is_world and len(set(hosts)) < len(hosts):
-            return Impl.HIERARCHICAL
-        return Impl.RING if ring.preferred(sum(t.numel() * t.element_size() for t in tensors)) else Impl.GLOO
-    if impl is Impl.NCCL:
-        if not cuda or dist.get_backend(group) != "nccl":
-            raise ValueError(
-                f"implementation NCCL needs CUDA tensors and an NCCL process group; got tensors on "
-                f"{tensors[0].device if tensors else 'cpu'} and backend {dist.get_backend(group)!r}"
-            )
-    elif impl in (Impl.SHM, Impl.HIERARCHICAL, Impl.RING, Impl.TREE) and cuda and impl is not Impl.RING:
-        raise ValueError(f"implementation {impl.name} works on CPU tensors; got tensors on {tensors[0].device}")
-    if impl is Impl.SHM and not shm.supported(group):
-        raise ValueError(
-            f"implementation SHM needs every rank of the group on one host; {topology.describe_group(group)} "
-            f"spans hosts {sorted(set(topology.group_hosts(group)))}"
-        )
-    return impl
+    target = _target(group, impl, cuda)
+    if not target.ours:
+        return Impl.NCCL if cuda else Impl.GLOO
+    return Impl[_C.backend_plan(target.obj)[0]]
 
 
-# ---------------------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------------------------- helpers
+def _options(what: str, options: Any) -> CommunicationOptions:
+    if options is not None and not isinstance(options, CommunicationOptions):
+        raise TypeError(f"{what}: options must be CommunicationOptions or None, got {type(options).__name__}")
+    return options if options is not None else _DEFAULT
+
+
 def _as_list(what: str, tensors: TensorOrList) -> tuple[list[torch.Tensor], bool]:
     if isinstance(tensors, torch.Tensor):
         return [tensors], True
@@ -96,145 +196,118 @@ def _as_list(what: str, tensors: TensorOrList) -> tuple[list[torch.Tensor], bool
     return items, False
 
 
-def _validate(what: str, items: list[torch.Tensor], op: ReduceOp, impl: Impl) -> None:
+def _device_kind(what: str, items: list[torch.Tensor]) -> bool:
     ncuda = sum(1 for t in items if t.is_cuda)
     if 0 < ncuda < len(items):
-        raise ValueError(
-            f"{what}: {ncuda} of {len(items)} tensors are on CUDA and the rest are not; use one device type")
-    native_ok = impl in (Impl.GLOO, Impl.NCCL)
-    mean = op is ReduceOp.MEAN
-    for i, t in enumerate(items):
-        if not native_ok and t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{what}: tensors[{i}] has unsupported dtype {t.dtype} for {impl.name} "
-                f"(supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}; "
-                f"GLOO takes others)"
-            )
-        if mean and not (t.is_floating_point() or t.is_complex()):
-            raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
+        raise ValueError(f"{what}: {ncuda} of {len(items)} tensors are on CUDA and the rest are not; "
+                         "use one device type")
+    return ncuda > 0
 
 
 def _timeout(options: CommunicationOptions, group: Any) -> float:
     return float(options.timeout_seconds) if options.timeout_seconds is not None else topology.group_timeout(group)
 
 
-def _flush(key: tuple[int, ...]) -> None:
-    with _lock:
-        futs = _pending.pop(key, [])
-    for f in futs:
-        f.exception()  # waits; errors are reported by the future's wait()
-
-
-def _run_flat(impl: Impl, flat: torch.Tensor, op: ReduceOp, group: Any, timeout: float, world: int) -> None:
-    if impl is Impl.SHM:
-        shm.get_communicator(group, timeout).all_reduce_(flat, op, timeout)  # MEAN scaled in C++
+def _wait(work: Any, target: _Target, timeout: float, what: str, group: Any) -> None:
+    """Waits for a c10d Work (bounded) and raises the collective's documented error."""
+    if target.ours:
+        try:
+            work.wait()  # the backend bounds every collective by its timeout itself
+        except dist.DistBackendError as exc:
+            raise from_backend_error(exc) from None
         return
-    if impl is Impl.RING:
-        ring.all_reduce_(flat, op, group, timeout)  # MEAN scaled in C++
-        return
-    fn = {Impl.TREE: tree.all_reduce_, Impl.HIERARCHICAL: hierarchical.all_reduce_,
-          Impl.GLOO: native.all_reduce_, Impl.NCCL: native.all_reduce_}[impl]
-    fn(flat, op, group, timeout)
-    if op is ReduceOp.MEAN:
-        flat.div_(world)
+    ranks = topology.group_ranks(group)
+    me = dist.get_rank()
+    wait_work(work, timeout, what, topology.describe_group(group), [r for r in ranks if r != me],
+              topology.resolve(group))
 
 
-def _reduce(items: list[torch.Tensor], op: ReduceOp, group: Any, options: CommunicationOptions,
-            inplace: bool, impl: Impl, timeout: float) -> list[torch.Tensor]:
-    world = dist.get_world_size(group)
-    results: list[torch.Tensor] = list(items) if inplace else [None] * len(items)  # type: ignore[list-item]
-    if world == 1:
-        if not inplace:
-            results = [t.clone() for t in items]
-        return results
-    if impl is Impl.SHM:
-        _reduce_shm(items, results, op, group, inplace, timeout)
-        return results
-    for pack in make_packs(items, options.bytes_per_pack):
-        t0 = items[pack.indices[0]]
-        if len(pack.indices) == 1 and t0.is_contiguous():
-            flat = t0.view(-1) if inplace else t0.clone().view(-1)
-            _run_flat(impl, flat, op, group, timeout, world)
-            if not inplace:
-                results[pack.indices[0]] = flat.view(t0.shape)
-            continue
-        flat = pack.fill(items, None)
-        _run_flat(impl, flat, op, group, timeout, world)
-        if inplace:
-            pack.copy_back(items)
-        else:
-            for i, v in pack.views(items):
-                results[i] = v
-    return results
+def _translate(exc: BaseException, target: _Target) -> BaseException:
+    if isinstance(exc, dist.DistBackendError) and target.ours:
+        return from_backend_error(exc)
+    return exc
 
 
-def _reduce_shm(items: list[torch.Tensor], results: list[torch.Tensor], op: ReduceOp, group: Any,
-                inplace: bool, timeout: float) -> None:
-    """SHM takes a list as it is: one in-place call per dtype over the tensors in list order, no packing.
-
-    Every tensor of a dtype joins that dtype's call, whatever its layout (a non-contiguous one through a
-    contiguous copy, copied back), so the calls are the same on every rank. The reduction is in place, so
-    a tensor whose memory overlaps an earlier one in the list (the same tensor twice, a view of another)
-    works on a private copy, copied back: each is reduced exactly once, as packing did.
-    """
-    comm = shm.get_communicator(group, timeout)
-    for pack in make_packs(items, 0):  # one group per dtype, in list order
-        idxs = pack.indices
-        work = []
-        for i in idxs:
-            t = items[i]
-            if not inplace:
-                w = results[i] = t.clone(memory_format=torch.contiguous_format)
-            else:
-                w = t if t.is_contiguous() else t.contiguous()
-            work.append(w)
-        if inplace and len(work) > 1:
-            _unalias(work)
-        if len(work) == 1:
-            comm.all_reduce_(work[0], op, timeout)  # zero-copy if it lies in a collectives.buffer()
-        else:
-            comm.all_reduce_many_(work, op, timeout)  # MEAN is scaled in C++
-        if inplace:
-            for i, w in zip(idxs, work):
-                if w is not items[i]:
-                    items[i].copy_(w)
-
-
-def _unalias(work: list[torch.Tensor]) -> None:
-    """Replaces every tensor whose bytes overlap an earlier one's by a private copy (in place in ``work``)."""
-    spans = sorted((w.data_ptr(), w.data_ptr() + w.numel() * w.element_size(), k)
-                   for k, w in enumerate(work) if w.numel())
-    end = -1
-    for lo, hi, k in spans:
-        if lo < end:
-            work[k] = work[k].clone()
-        end = max(end, hi)
-
-
-def _prepare(what: str, tensors: TensorOrList, op: Any, group: Any, options: CommunicationOptions | None,
-             sync: bool = True) -> tuple[list[torch.Tensor], bool, ReduceOp, CommunicationOptions, Impl, float]:
+# --------------------------------------------------------------------------------------------- all-reduce
+def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any, inplace: bool, sync: bool = True
+            ) -> tuple[list[Any], Any, _Target, float, list[torch.Tensor], bool]:
+    """Validates, starts the all-reduce (one call per dtype pack) and returns (works, finish, ...)."""
     items, single = _as_list(what, tensors)
     rop = ReduceOp.from_any(op)
-    if options is not None and not isinstance(options, CommunicationOptions):
-        raise TypeError(f"{what}: options must be CommunicationOptions or None, got {type(options).__name__}")
-    opts = options if options is not None else _DEFAULT
-    timeout = _timeout(opts, group)
-    if sync or debug.enabled():
-        _flush(topology.group_key(group))
-    if debug.enabled():  # first, before any other collective (AUTO's host gather) can pair with it
-        debug.check("all_reduce", rop, items, group, timeout)
-    impl = choose(opts.implementation, items, group)
-    _validate(what, items, rop, impl)
-    return items, single, rop, opts, impl, timeout
+    opts = _options(what, options)
+    cuda = _device_kind(what, items)
+    if rop is ReduceOp.MEAN:
+        for i, t in enumerate(items):
+            if not (t.is_floating_point() or t.is_complex()):
+                raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
+    g = topology.resolve(group)
+    target = _target(g, opts.implementation, cuda)
+    timeout = _timeout(opts, g)
+    if target.debug:
+        debug.check("all_reduce", rop, items, g, timeout)
+    results = items if inplace else [t.clone(memory_format=torch.contiguous_format) for t in items]
+    td = datetime.timedelta(seconds=timeout)
+    works: list[Any] = []
+    after: list[Any] = []  # (pack, flat) to copy back on the paths that reduce a packed copy
+    if target.avg:  # ours and NCCL: a list of one dtype is reduced as one buffer, MEAN is ReduceOp.AVG
+        c10d_op = _C10D_OPS[rop]
+        if len(results) == 1:
+            works.append(_allreduce(target, results, c10d_op, td, sync))
+        else:
+            for pack in make_packs(results, opts.bytes_per_pack):
+                works.append(_allreduce(target, [results[i] for i in pack.indices], c10d_op, td, sync))
+    else:  # gloo: one flat buffer per pack, MEAN as a SUM divided afterwards
+        c10d_op = dist.ReduceOp.SUM if rop is ReduceOp.MEAN else _C10D_OPS[rop]
+        for pack in make_packs(results, opts.bytes_per_pack):
+            first = results[pack.indices[0]]
+            flat = first.view(-1) if len(pack.indices) == 1 and first.is_contiguous() else pack.fill(results, None)
+            works.append(_allreduce(target, [flat], c10d_op, td, sync))
+            after.append((pack, flat))
+
+    def finish() -> None:
+        for pack, flat in after:
+            if rop is ReduceOp.MEAN:
+                flat.div_(dist.get_world_size(g))
+            if pack.flat is not None:
+                with torch.no_grad():
+                    pack.copy_back(results)
+
+    return works, finish, target, timeout, results, single
 
 
-# --------------------------------------------------------------------------------------- public API
+_OPTS: dict[tuple[Any, ...], Any] = {}  # c10d option objects by (kind, op or root, timeout, sync)
+
+
+def _c10d_options(kind: Any, td: datetime.timedelta, sync: bool, op: Any = None, root: int = 0) -> Any:
+    """A c10d options object (made once per distinct value): ``sync`` (async_op=False) lets the
+    torchstrategies backend run the call on this thread."""
+    key = (kind, op, root, td, sync)
+    opts = _OPTS.get(key)
+    if opts is None:
+        opts = kind()
+        opts.timeout = td
+        opts.asyncOp = not sync
+        if op is not None:
+            opts.reduceOp = op
+        if kind is dist.BroadcastOptions:
+            opts.rootRank = root
+        if len(_OPTS) < 512:
+            _OPTS[key] = opts
+    return opts
+
+
+def _allreduce(target: _Target, members: list[torch.Tensor], op: Any, td: datetime.timedelta, sync: bool) -> Any:
+    if len(members) == 1:
+        return target.obj.allreduce(members, _c10d_options(dist.AllreduceOptions, td, sync, op))
+    return target.obj.allreduce_coalesced(members, _c10d_options(dist.AllreduceCoalescedOptions, td, sync, op))
+
+
 def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
                options: CommunicationOptions | None = None) -> Any:
     """Returns the reduction of ``tensors`` over the group's ranks (new tensors; inputs untouched).
 
     Args:
-        tensors: a Tensor or a list of Tensors (any shapes, mixed dtypes are packed per dtype).
+        tensors: a Tensor or a list of Tensors (any shapes; mixed dtypes are reduced per dtype).
         op: ReduceOp SUM, MEAN, MIN or MAX (or its name).
         group: a torch.distributed group; None is the world.
         options: CommunicationOptions (implementation, bytes_per_pack, timeout_seconds).
@@ -243,120 +316,55 @@ def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: 
         A Tensor if a Tensor was given, else a list in the same order.
 
     Raises:
-        DeadlineExceededError: not every rank arrived within the timeout (a peer died or hung).
-        ValueError / TypeError: bad input, or a call that differs across ranks (SHM, debug mode).
+        DeadlineExceededError: not every rank arrived within the timeout (a peer is late or frozen).
+        UnavailableError: a peer is gone.
+        ValueError / TypeError: bad input, or ranks making different calls.
     """
-    if type(tensors) is torch.Tensor and tensors.is_contiguous():
-        out = tensors.clone()
-        if _fast(out, op, group, options):
-            return out
-    items, single, rop, opts, impl, timeout = _prepare("all_reduce", tensors, op, group, options)
-    results = _reduce(items, rop, group, opts, False, impl, timeout)
-    if single:
-        _remember(items[0], op, group, options, impl, rop, timeout)
+    works, finish, target, timeout, results, single = _launch("all_reduce", tensors, op, group, options, False)
+    for w in works:
+        _wait(w, target, timeout, "all_reduce", group)
+    finish()
     return results[0] if single else results
-
-
-_PLANS = PlanCache()
-
-
-def _fast(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | None) -> bool:
-    """The hot path for one contiguous CPU tensor: the cached ``Plan`` of an identical earlier call.
-
-    Returns False when the general path must run (first call, debug mode, pending async work, a plan
-    made for a destroyed group or for options since mutated, ...).
-    """
-    if _pending or debug.enabled() or not t.is_cpu or not t.is_contiguous():
-        return False
-    plan = _PLANS.get(group, options, op, t.dtype, t.numel() * t.element_size() <= TREE_MAX_BYTES)
-    if plan is None:
-        return False
-    plan.run(t)
-    return True
-
-
-def _remember(t: torch.Tensor, op: Any, group: Any, options: CommunicationOptions | None, impl: Impl,
-              rop: ReduceOp, timeout: float) -> None:
-    """Stores the plan of a single-tensor call the general path just ran."""
-    if not t.is_cpu:
-        return
-    world = dist.get_world_size(group)
-    run: Any
-    if world == 1:
-        impl, run = Impl.GLOO, None  # nothing to exchange
-    elif impl is Impl.SHM:
-        run = shm.get_communicator(group, timeout).kernel(rop, timeout)
-    else:
-        def run(x: torch.Tensor) -> None:
-            _run_flat(impl, x.view(-1), rop, group, timeout, world)
-    snapshot = None if options is None else (options.bytes_per_pack, options.timeout_seconds, options.implementation)
-    try:
-        plan = Plan(impl, world, snapshot, run, group)
-    except TypeError:  # a group that takes no weak reference: no caching
-        return
-    _PLANS.put(group, options, op, t.dtype, t.numel() * t.element_size() <= TREE_MAX_BYTES, plan)
 
 
 def all_reduce_(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
                 options: CommunicationOptions | None = None) -> Any:
     """Like ``all_reduce`` but writes the result into ``tensors`` and returns them."""
-    if type(tensors) is torch.Tensor and _fast(tensors, op, group, options):
-        return tensors
-    items, single, rop, opts, impl, timeout = _prepare("all_reduce_", tensors, op, group, options)
-    _reduce(items, rop, group, opts, True, impl, timeout)
-    if single:
-        _remember(items[0], op, group, options, impl, rop, timeout)
-    return items[0] if single else items
+    works, finish, target, timeout, results, single = _launch("all_reduce_", tensors, op, group, options, True)
+    for w in works:
+        _wait(w, target, timeout, "all_reduce", group)
+    finish()
+    return results[0] if single else results
 
 
 def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
                      options: CommunicationOptions | None = None) -> torch.futures.Future[Any]:
-    """Starts an in-place all-reduce of ``tensors`` on a background thread; returns a ``torch.futures.Future``.
+    """Starts an in-place all-reduce of ``tensors``; returns a ``torch.futures.Future``.
 
-    The future is the one async type of the package (the type DDP's comm hooks return): ``wait()`` returns
-    what ``all_reduce_`` returns (the Tensor, or the list) or raises the collective's named error
-    (UnavailableError, DeadlineExceededError, ValueError for a mismatched call). Operations on one group run
-    in the order they were started; a synchronous call on the group first waits for the pending ones.
-    Don't touch ``tensors`` until ``wait()`` returns.
+    The future (the type DDP's comm hooks return) gives what ``all_reduce_`` returns, or raises the
+    collective's documented error. Calls on one group run in the order they were started, on the
+    backend's own thread. Don't touch ``tensors`` until ``wait()`` returns.
     """
-    items, single, rop, opts, impl, timeout = _prepare("all_reduce_async", tensors, op, group, options, sync=False)
-    key = topology.group_key(group)
-    if impl is Impl.SHM:
-        shm.get_communicator(group, timeout)  # collective set-up in the caller's thread
-    elif impl is Impl.HIERARCHICAL:
-        hierarchical.layout()
+    works, finish, target, _, results, single = _launch("all_reduce_async", tensors, op, group, options, True,
+                                                        sync=False)
+    futs = [w.get_future() for w in works]
     result: torch.futures.Future[Any] = torch.futures.Future()
-    with _lock:
-        ex = _executors.get(key)
-        if ex is None:
-            ex = _executors[key] = ThreadPoolExecutor(1, thread_name_prefix="torchstrategies-collective")
-        work = ex.submit(_reduce, items, rop, group, opts, True, impl, timeout)
-        _pending.setdefault(key, []).append(work)
 
-    def finish(done: Future) -> None:
-        _forget(key, done)
-        exc = done.exception()
-        if exc is not None:
-            result.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the value type
-        else:
-            out = done.result()
-            result.set_result(out[0] if single else out)
+    def done(both: Any) -> None:
+        try:
+            for part in both.value():
+                part.wait()
+            finish()
+        except Exception as exc:  # noqa: BLE001 - the documented error replaces the backend's
+            result.set_exception(_translate(exc, target))  # type: ignore[arg-type]
+            return
+        result.set_result(results[0] if single else results)
 
-    work.add_done_callback(finish)
+    torch.futures.collect_all(futs).add_done_callback(done)  # type: ignore[arg-type]
     return result
 
 
-def _forget(key: tuple[int, ...], fut: Future) -> None:
-    """Drops a finished future from the pending list (so the hot path is enabled again)."""
-    with _lock:
-        futs = _pending.get(key)
-        if futs is not None:
-            if fut in futs:
-                futs.remove(fut)
-            if not futs:
-                del _pending[key]
-
-
+# ---------------------------------------------------------------------------------------- gather, broadcast
 def all_gather(tensor: torch.Tensor, group: Any = None, options: CommunicationOptions | None = None,
                axis: int = 0) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` (same shape on all ranks) along ``axis``, in rank order."""
@@ -364,20 +372,18 @@ def all_gather(tensor: torch.Tensor, group: Any = None, options: CommunicationOp
     if len(items) != 1:
         raise TypeError("all_gather: expected one Tensor")
     t = items[0].contiguous()
-    opts = _DEFAULT.merge(options)
+    opts = _options("all_gather", options)
+    target = _target(group, opts.implementation, t.is_cuda)
     timeout = _timeout(opts, group)
-    key = topology.group_key(group)
-    _flush(key)
-    if debug.enabled():
+    if target.debug:
         debug.check("all_gather", None, [t], group, timeout)
-    impl = choose(opts.implementation, [t], group)
-    if impl is Impl.SHM:
-        stacked = shm.get_communicator(group, timeout).all_gather(t, timeout)
-    else:
-        stacked = native.all_gather(t, group, timeout)
+    world = dist.get_world_size(group)
+    out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
+    gopts = _c10d_options(dist.distributed_c10d.AllgatherOptions, datetime.timedelta(seconds=timeout), True)
+    _wait(target.obj._allgather_base(out.view(-1), t.view(-1), gopts), target, timeout, "all_gather", group)
     if t.dim() == 0:
-        return stacked
-    return torch.cat(list(stacked.unbind(0)), dim=axis)
+        return out
+    return torch.cat(list(out.unbind(0)), dim=axis)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
@@ -386,19 +392,16 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
     items, _ = _as_list("broadcast", tensor)
     t = items[0]
     ranks = topology.group_ranks(group)
-    if not 0 <= src < len(ranks):
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < len(ranks):
         raise ValueError(f"broadcast: src {src} is not a rank of {topology.describe_group(group)}")
-    opts = _DEFAULT.merge(options)
+    opts = _options("broadcast", options)
+    target = _target(group, opts.implementation, t.is_cuda)
     timeout = _timeout(opts, group)
-    _flush(topology.group_key(group))
-    if debug.enabled():
+    if target.debug:
         debug.check("broadcast", src, [t], group, timeout)
-    impl = choose(opts.implementation, [t], group)
     work = t if t.is_contiguous() else t.contiguous()
-    if impl is Impl.SHM:
-        shm.get_communicator(group, timeout).broadcast_(work, src, timeout)
-    else:
-        native.broadcast_(work, src, group, timeout)
+    bopts = _c10d_options(dist.BroadcastOptions, datetime.timedelta(seconds=timeout), True, root=src)
+    _wait(target.obj.broadcast([work], bopts), target, timeout, "broadcast", group)
     if work is not t:
         t.copy_(work)
     return t
@@ -406,16 +409,20 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
 
 def buffer(numel: int, dtype: torch.dtype = torch.float32, group: Any = None,
            options: CommunicationOptions | None = None) -> torch.Tensor:
-    """A zeroed 1-D tensor that SHM all-reduces in place without a copy in (collective call).
+    """A zeroed 1-D tensor that the torchstrategies backend all-reduces in place without a copy in
+    (collective; same numel and dtype on every rank).
 
-    When the group is on one host and the implementation is AUTO or SHM, the tensor lives in the
-    group's shared-memory segment; otherwise it is an ordinary tensor. Gradient buckets use it.
+    Where the group's plan has a shared-memory group on this host (SHM, HIERARCHICAL) the tensor lives in
+    shared memory; otherwise it is an ordinary tensor. Gradient buckets use it.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"buffer: numel must be a non-negative int, got {numel!r}")
-    opts = _DEFAULT.merge(options)
-    if opts.implementation in (Impl.AUTO, Impl.SHM) and dtype in SUPPORTED_DTYPES and shm.supported(group):
-        b = shm.get_communicator(group, _timeout(opts, group)).buffer(numel, dtype, _timeout(opts, group))
-        b.zero_()
-        return b
-    return torch.zeros(numel, dtype=dtype)
+    opts = _options("buffer", options)
+    if opts.implementation in (Impl.GLOO, Impl.NCCL):
+        return torch.zeros(numel, dtype=dtype)
+    target = _target(group, opts.implementation, False)
+    try:
+        out: torch.Tensor = _C.backend_buffer(target.obj, numel, torch.empty(0, dtype=dtype))
+    except dist.DistBackendError as exc:
+        raise from_backend_error(exc) from None
+    return out

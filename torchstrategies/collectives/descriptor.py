@@ -1,11 +1,11 @@
-"""Call descriptors: before any data moves, the ranks of a group compare what each is about to do.
+"""Debug mode's call descriptors: before any data moves, the ranks of a group compare what each is about to do.
 
 A descriptor is a fixed-size int64 row (collective, sequence number in the group, reduce op, dtype,
-element count, a hash of the shapes, and an implementation setting such as RING's chunk size). Every rank
-gathers every row with one small all-gather of the same size and dtype on every rank, so a mismatch can
-never reach gloo (where a size or dtype mismatch aborts the process and an op mismatch silently gives
-different results). RING, TREE and HIERARCHICAL always check; with TORCHSTRATEGIES_DEBUG=1 every
-collective does (``debug.check``).
+element count, a hash of the shapes). Every rank gathers every row with one small all-gather of the same
+size and dtype on every rank, so a mismatch can never reach gloo (where a size or dtype mismatch aborts the
+process and an op mismatch silently gives different results). The torchstrategies backend compares its own
+descriptors on every call in C++ (csrc/core/desc.h); this check runs with TORCHSTRATEGIES_DEBUG=1 on any
+group (``debug.check``), and also compares the shapes.
 
 The sequence numbers are kept per group object (a new group starts at 0) and recover after a mismatch:
 every rank sees the same rows, so every rank raises, and all continue from the largest sequence seen.

@@ -19,9 +19,10 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 class CommunicationImplementation(enum.Enum):
     """How collectives move data between processes.
 
-    AUTO picks from a short table (see ``torchstrategies.collectives.api.choose``). RING, TREE and SHM
-    are ours; NCCL and GLOO are torch.distributed's own all-reduce. HIERARCHICAL (an extension to TF's
-    enum) is SHM inside each host, a ring between one leader per host, and an SHM broadcast back.
+    AUTO, SHM, RING and HIERARCHICAL (an extension to TF's enum: SHM inside each host, the ring between one
+    leader per host) run on the "torchstrategies" torch.distributed backend, which resolves AUTO from the
+    hosts of the group (docs/collectives.md); NCCL and GLOO are torch.distributed's own backends. TREE was
+    removed (it lost to gloo's own all-reduce): asking for it raises ValueError.
     """
 
     AUTO = "AUTO"

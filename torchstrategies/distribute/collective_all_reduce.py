@@ -1,131 +1,93 @@
-"""``CollectiveAllReduce``: the one seam between MultiWorkerMirroredStrategy and the other workers.
+"""``CollectiveAllReduce``: MultiWorkerMirroredStrategy's one seam to the other workers, a torch ProcessGroup.
 
-TF's ``tf.distribute.CrossDeviceOps`` of that name, built on ``torchstrategies.collectives``. Every
-cross-worker reduction of the strategy goes through it: gradients (through a DDP-style communication hook),
-``strategy.reduce`` / ``gather``, ``extended.reduce_to`` / ``batch_reduce_to``, the initial broadcast of
-parameters, and metrics (which reduce through the strategy). Each call honours the strategy's
-``CommunicationOptions`` merged with the call's own (``implementation``, ``timeout_seconds``,
-``bytes_per_pack``), and every fault is the collectives' named error (UnavailableError for a gone peer,
-DeadlineExceededError for a late one, ValueError for a mismatched call).
+TF's ``tf.distribute.CrossDeviceOps`` of that name. Every cross-worker operation of the strategy goes through
+the process group it holds, with public ``torch.distributed`` calls only (``all_reduce``, ``broadcast``,
+``all_gather_single``, ``barrier``): ``strategy.reduce`` / ``gather``, ``extended.reduce_to`` /
+``batch_reduce_to``, ``ReplicaContext.all_reduce`` (hence SyncBatchNorm and metrics), the broadcast of the
+initial parameters, checkpoint agreement, barriers and input-pipeline agreement. Gradients travel through
+the same group, from the gradient synchronizer's communication hook (``strategies/_grad_sync.py``).
 
-Gradient communication plugs in as ``hook(state, bucket) -> torch.futures.Future`` (DDP's comm hooks): the
-synchronizer hands each full bucket to the hook and waits on the future at the end of backward. The default
-is ``allreduce_hook`` (a SUM in place); ``CompressionHook(torch.float16)`` is another hook.
+Which group: :func:`_make_group` makes it from ``CommunicationOptions`` (``implementation`` picks the
+backend, ``timeout_seconds`` its timeout); it is the ONE place that decides how workers talk. A call whose
+own options ask for another implementation or timeout gets a group of its own, made once by the same
+function. ``bytes_per_pack`` is applied here: tensors are packed per dtype into buffers of about that size.
 
 Example (under torchrun):
     >>> import torch, torchstrategies as ts                                      # doctest: +SKIP
-    >>> from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce, GradBucket
-    >>> cao = CollectiveAllReduce(ts.CommunicationOptions(implementation="SHM"))  # doctest: +SKIP
+    >>> from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
+    >>> cao = CollectiveAllReduce(ts.CommunicationOptions(implementation="GLOO"))  # doctest: +SKIP
     >>> cao.all_reduce_tensors("sum", [torch.ones(3)])                           # doctest: +SKIP
-    >>> fut = allreduce_hook(cao, GradBucket(0, torch.ones(8)))                  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import datetime
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchstrategies import collectives
-from torchstrategies.collectives import CommunicationOptions
+from torchstrategies.collectives import CommunicationImplementation, CommunicationOptions
 from torchstrategies.collectives.packing import make_packs
 from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, _place
 from torchstrategies.distribute.values import DistributedValues, local_results
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["CollectiveAllReduce", "GradBucket", "Hook", "allreduce_hook", "CompressionHook"]
+__all__ = ["CollectiveAllReduce"]
+
+_DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.MAX: dist.ReduceOp.MAX}
 
 
-class GradBucket:
-    """What a communication hook receives: one flat gradient buffer (DDP's ``GradBucket``).
+def _make_group(options: CommunicationOptions) -> dist.ProcessGroup:
+    """THE one function that makes the process group a MultiWorkerMirroredStrategy talks through.
 
-    Args:
-        index: the bucket's position (buckets are launched in index order on every rank).
-        buffer: the flat tensor holding the bucket's gradients (and one 0/1 flag per parameter).
+    A collective call (every rank of the default group calls it, in the same order). Stand-in until the
+    ``"torchstrategies"`` backend lands: a gloo group (nccl for NCCL; AUTO on a CUDA machine gives CUDA
+    tensors to nccl). At that point this body becomes ``return collectives.new_group(options)``, which maps
+    AUTO/SHM/RING/HIERARCHICAL to a group on our backend, GLOO to gloo and NCCL to nccl; nothing else in the
+    strategy changes.
     """
-
-    def __init__(self, index: int, buffer: torch.Tensor) -> None:
-        self._index = index
-        self._buffer = buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-
-Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
-
-
-def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def _failed(exc: BaseException) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types the argument as the value type
-    return fut
-
-
-def allreduce_hook(state: CollectiveAllReduce, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The default hook: the bucket SUMMED over every worker, in place (the future's value is the buffer)."""
-    return state.all_reduce_async(bucket.buffer())
-
-
-class CompressionHook:
-    """A hook that sends each bucket in 16 bits and sums the workers' copies in the bucket's dtype.
-
-    Every rank rounds its bucket once to ``dtype``, the ranks all-gather the 16-bit buffers, and every rank
-    sums them in rank order (so all ranks get the same bits). Error bound per element:
-    ``|reduced - exact| <= u * sum_i |g_i| + n * 2**-24 * sum_i |g_i| + n * a`` with ``u = 2**-11``
-    (float16) or ``2**-8`` (bfloat16) and ``a`` the type's underflow step; float16 overflows beyond 65504.
-
-    Args:
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
-    """
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"compression dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
-        self.dtype = dtype
-
-    def __call__(self, state: CollectiveAllReduce, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        flat = bucket.buffer()
-        try:
-            parts = state.all_gather_flat(flat.to(self.dtype))
-            flat.copy_(parts[0])
-            for p in parts[1:]:
-                flat.add_(p)
-        except Exception as exc:  # noqa: BLE001 - the future carries it to the waiter
-            return _failed(exc)
-        return _done(flat)
-
-    def __repr__(self) -> str:
-        return f"CompressionHook({self.dtype})"
+    timeout = None
+    if options.timeout_seconds is not None:
+        timeout = datetime.timedelta(seconds=float(options.timeout_seconds))
+    impl = options.implementation
+    if impl is CommunicationImplementation.NCCL:
+        backend = "nccl"
+    elif impl is CommunicationImplementation.AUTO and torch.cuda.is_available():
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    return dist.new_group(backend=backend, timeout=timeout)
 
 
 class CollectiveAllReduce(CrossDeviceOps):
-    """Cross-worker reductions over ``torchstrategies.collectives`` (TF's ``CollectiveAllReduce``).
+    """Cross-worker reductions over one torch ProcessGroup (TF's ``CollectiveAllReduce``).
 
     Args:
         options: the default ``CommunicationOptions`` (a call's own options override its set fields).
-        group: the process group (None: the world).
+        group: a process group to adopt (the user's); None makes one from ``options`` (a collective call).
+
+    Raises:
+        ValueError: both a ``group`` and an explicit ``options.implementation`` (the group decides).
     """
 
-    def __init__(self, options: CommunicationOptions | None = None, group: Any = None) -> None:
+    def __init__(self, options: CommunicationOptions | None = None, group: dist.ProcessGroup | None = None) -> None:
         if options is not None and not isinstance(options, CommunicationOptions):
             raise TypeError(f"communication_options must be a ts.CommunicationOptions, got {options!r}")
         self.options = options if options is not None else CommunicationOptions()
-        self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        # The synchronizer packs buckets itself: ask the collectives for no further splitting.
-        self._bucket_options = CommunicationOptions(0, self.options.timeout_seconds, self.options.implementation)
+        self._groups: dict[tuple[Any, Any], dist.ProcessGroup] = {}
+        self.owned_groups: list[dist.ProcessGroup] = []  # the groups made here (the strategy destroys them)
+        if group is not None:
+            if self.options.implementation is not CommunicationImplementation.AUTO:
+                raise ValueError(
+                    f"pass either a process_group or communication_options.implementation "
+                    f"({self.options.implementation.name}), not both: the group decides how workers talk")
+            self._groups[self._key(self.options)] = group
+        self.group = self._group(self.options)
+        self.world_size = self.group.size()
+        self.rank = self.group.rank()
 
     @property
     def implementation_name(self) -> str:
@@ -135,6 +97,19 @@ class CollectiveAllReduce(CrossDeviceOps):
         if options is None or not isinstance(options, CommunicationOptions):
             return self.options
         return self.options.merge(options)
+
+    @staticmethod
+    def _key(options: CommunicationOptions) -> tuple[Any, Any]:
+        return options.implementation, options.timeout_seconds
+
+    def _group(self, options: CommunicationOptions) -> dist.ProcessGroup:
+        """The group for ``options`` (made on first use: every rank makes the same call at the same time)."""
+        key = self._key(options)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = _make_group(options)
+            self.owned_groups.append(g)
+        return g
 
     # --- tensors ------------------------------------------------------------------------------------------
     def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
@@ -146,27 +121,21 @@ class CollectiveAllReduce(CrossDeviceOps):
             for t in items:
                 if not (t.is_floating_point() or t.is_complex()):
                     raise ValueError(f"cannot MEAN-reduce an integer tensor of dtype {t.dtype} across workers")
-        if not items:
-            return []
-        return list(collectives.all_reduce(items, rop, group=self.group, options=self._merged(options)))
-
-    def all_reduce_async(self, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """SUMs a flat bucket in place; the future's value is ``flat``. CPU buckets are reduced at once in
-        the caller's thread (a background thread would only compete with backward for the same cores)."""
-        try:
-            if flat.device.type == "cpu":
-                collectives.all_reduce_(flat, "sum", group=self.group, options=self._bucket_options)
-                return _done(flat)
-            fut: torch.futures.Future[torch.Tensor] = collectives.all_reduce_async(
-                flat, "sum", group=self.group, options=self._bucket_options)
-        except Exception as exc:  # noqa: BLE001 - the future carries it to the waiter
-            return _failed(exc)
-        return fut
-
-    def all_gather_flat(self, flat: torch.Tensor, options: Any = None) -> list[torch.Tensor]:
-        """Every worker's ``flat`` (same size on all), in rank order."""
-        out = collectives.all_gather(flat.reshape(-1), group=self.group, options=self._merged(options))
-        return list(out.view(self.world_size, -1).unbind(0))
+        opts = self._merged(options)
+        group = self._group(opts)
+        out: list[torch.Tensor] = list(items)
+        for pack in make_packs(items, opts.bytes_per_pack):
+            if pack.numel == 0:  # only empty tensors: nothing to send
+                for i in pack.indices:
+                    out[i] = items[i].clone()
+                continue
+            flat = pack.fill(items, None)  # a copy: the inputs stay untouched
+            dist.all_reduce(flat, op=_DIST_OP[rop], group=group)
+            if rop is ReduceOp.MEAN:
+                flat.div_(self.world_size)
+            for i, v in pack.views(items):
+                out[i] = v
+        return out
 
     def gather(self, t: torch.Tensor, axis: int = 0, options: Any = None) -> torch.Tensor:
         """Concatenates every worker's ``t`` along ``axis``; the sizes along ``axis`` may differ."""
@@ -174,32 +143,34 @@ class CollectiveAllReduce(CrossDeviceOps):
             raise ValueError(f"gather needs a tensor of rank >= 1 to concatenate along axis {axis}, got a scalar")
         axis = axis % t.dim()
         x = t.detach().movedim(axis, 0).contiguous()
-        opts = self._merged(options)
-        sizes = collectives.all_gather(torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device),
-                                       group=self.group, options=opts).tolist()
-        pad = torch.zeros((max(sizes),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        group = self._group(self._merged(options))
+        n = self.world_size
+        sizes = torch.empty(n, dtype=torch.int64, device=x.device)
+        dist.all_gather_single(sizes, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=group)
+        counts = sizes.tolist()
+        pad = torch.zeros((max(counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         pad[: x.shape[0]] = x
-        parts = collectives.all_gather(pad.unsqueeze(0), group=self.group, options=opts)
-        out = torch.cat([parts[i, :k] for i, k in enumerate(sizes)], dim=0)
+        parts = torch.empty((n * pad.shape[0],) + tuple(pad.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(parts, pad, group=group)  # the workers' pads, concatenated along dim 0
+        parts = parts.view((n,) + tuple(pad.shape))
+        out = torch.cat([parts[i, :k] for i, k in enumerate(counts)], dim=0)
         return out.movedim(0, axis)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0, options: Any = None) -> None:
-        """Overwrites ``tensors`` in place with rank ``src``'s values (packed per dtype/device)."""
+        """Overwrites ``tensors`` in place with group rank ``src``'s values (packed per dtype/device)."""
         items = [t.detach() for t in tensors]
-        opts = self._merged(options)
+        group = self._group(self._merged(options))
         for pack in make_packs(items, 0):
             if pack.numel == 0:
                 continue
             flat = pack.fill(items, None)
-            collectives.broadcast(flat, src, group=self.group, options=opts)
+            dist.broadcast(flat, group=group, group_src=src)
             with torch.no_grad():
                 pack.copy_back(items)
 
-    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed flat bucket; on CPU it lives where the implementation reduces it without a copy in."""
-        if device.type != "cpu":
-            return torch.zeros(numel, dtype=dtype, device=device)
-        return collectives.buffer(numel, dtype, group=self.group, options=self._bucket_options)
+    def barrier(self, options: Any = None) -> None:
+        """Returns when every worker has called it (within the group's timeout)."""
+        dist.barrier(group=self._group(self._merged(options)))
 
     # --- CrossDeviceOps -----------------------------------------------------------------------------------
     def batch_reduce_implementation(self, op: ReduceOp, pairs: list[tuple[DistributedValues, tuple[torch.device,
@@ -215,4 +186,4 @@ class CollectiveAllReduce(CrossDeviceOps):
         return [_place(r, devices) for r, (_, devices) in zip(reduced, pairs, strict=True)]
 
     def __repr__(self) -> str:
-        return f"CollectiveAllReduce({self.options!r})"
+        return f"CollectiveAllReduce({self.options!r}, backend={dist.get_backend(self.group)!r})"

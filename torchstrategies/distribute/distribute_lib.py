@@ -388,6 +388,18 @@ class Strategy:
         if axis is None:
             return ext._reduce(op, value)
         comps = [torch.as_tensor(c) for c in local_results(value)]
+        for c in comps:
+            rank = c.dim()
+            if rank == 0:
+                raise ValueError(
+                    f"reduce(axis={axis}): the value has rank 0 (a scalar), no axis to reduce along; use "
+                    "axis=None"
+                )
+            if not -rank <= axis < rank:
+                raise ValueError(
+                    f"reduce(axis={axis}): the axis is out of range for a value of rank {rank} (shape "
+                    f"{tuple(c.shape)}); give an axis in [{-rank}, {rank - 1}] or axis=None"
+                )
 
         def rewrap(xs: list[torch.Tensor]) -> Any:
             return PerReplica(xs) if isinstance(value, DistributedValues) else xs[0]

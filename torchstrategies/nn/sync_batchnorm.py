@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchstrategies.distribute import context
 from torchstrategies.distribute.distribute_lib import ReplicaContext
-from torchstrategies.distribute.mirrored_run import acting_for, capture_replica_thread
+from torchstrategies.distribute.mirrored_run import acting_for, current_replica
 from torchstrategies.nn._sync_bn_function import sync_batch_norm
 from torchstrategies.reduce_op import ReduceOp
 
@@ -32,14 +32,14 @@ class _ReplicaCommunicator:
 
     def __init__(self, replica_context: ReplicaContext):
         self._rc = replica_context
-        self._thread = capture_replica_thread()
+        self._replica = current_replica()
         self.num_replicas = replica_context.num_replicas_in_sync
         self.replica_id = replica_context.replica_id_in_sync_group
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if context.get_replica_context() is self._rc:
             return self._rc.all_reduce(ReduceOp.SUM, tensor)
-        with acting_for(self._thread), ReplicaContext(self._rc.strategy, self.replica_id) as rc:
+        with acting_for(self._replica), ReplicaContext(self._rc.strategy, self.replica_id) as rc:
             return rc.all_reduce(ReduceOp.SUM, tensor)
 
 

@@ -22,39 +22,114 @@ How it works:
   gradients are divided by the world size when the new backward starts, so sum(S/n + g_i) = S + sum(g_i).
   The same holds across steps (gradient accumulation without ``zero_grad()``): ``optimizer.step()`` leaves
   the reduced gradients in place, so the next backward rescales them before adding to them.
-* Communication is a DDP-style hook, ``hook(state, bucket) -> torch.futures.Future`` (see
-  ``distribute/collective_all_reduce.py``): the default SUMs the bucket in place through the strategy's
-  ``CollectiveAllReduce``; ``CompressionHook(torch.float16)`` sends it in 16 bits. A hook's error travels
-  in its future and is raised at the end of backward.
+* Communication is one DDP-style hook, ``hook(state, bucket) -> torch.futures.Future[Tensor]`` (the shape of
+  torch's ``ddp_comm_hooks/default_hooks.py``; ``state`` is the strategy's process group, ``bucket`` a
+  :class:`GradBucket`). The default, :func:`allreduce_hook`, starts ``dist.all_reduce(..., async_op=True)``
+  on the bucket in place and returns its future: the reduction runs while backward goes on, and the end
+  of backward waits for it. ``CompressionHook(torch.float16)`` sends the bucket in 16 bits. A hook's
+  error travels in its future and is raised at the end of backward, named by the strategy's health
+  monitor (``_health.py``).
+
+One gradient's path: autograd -> ``_on_grad_ready`` (its bucket) -> the hook -> ``torch.distributed`` on
+the strategy's group -> the backend -> ``_finish`` (end of backward: wait, write back) -> the optimizer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from torchstrategies.distribute.collective_all_reduce import (
-    CollectiveAllReduce,
-    GradBucket,
-    Hook,
-    allreduce_hook,
-)
-
-__all__ = ["GradientSynchronizer"]
+__all__ = ["GradBucket", "GradientSynchronizer", "Synchronizers", "Hook", "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
 _IDLE, _BACKWARD, _REDUCED = "idle", "backward", "reduced"
 
 
+class GradBucket:
+    """What a communication hook receives: one flat gradient buffer (torch's ``dist.GradBucket`` methods).
+
+    Args:
+        index: the bucket's position (buckets are launched in index order on every rank).
+        buffer: the flat tensor holding the bucket's gradients, then one 0/1 flag per parameter.
+        parameters: the bucket's parameters, in buffer order.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, parameters: list[torch.Tensor] | None = None) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._parameters = parameters or []
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._parameters)
+
+
+Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
+
+
+def allreduce_hook(group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The default hook: the bucket SUMMED over the group in place; the future's value is the buffer.
+
+    Unlike torch's ``default_hooks.allreduce_hook`` it does not divide by the world size (TF's SUM).
+    """
+    buf = bucket.buffer()
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    return fut.then(lambda f: f.value()[0])
+
+
+class CompressionHook:
+    """A hook that sends each bucket in 16 bits and sums the workers' copies in the bucket's dtype.
+
+    Every rank rounds its bucket once to ``dtype``, the ranks all-gather the 16-bit buffers, and every rank
+    sums them in rank order (so all ranks get the same bits). Error bound per element:
+    ``|reduced - exact| <= u * sum_i |g_i| + n * 2**-24 * sum_i |g_i| + n * a`` with ``u = 2**-11``
+    (float16) or ``2**-8`` (bfloat16) and ``a`` the type's underflow step; float16 overflows beyond 65504.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"compression dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        self.dtype = dtype
+
+    def __call__(self, group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        flat = bucket.buffer()
+        small = flat.to(self.dtype)
+        gathered = torch.empty(group.size() * small.numel(), dtype=self.dtype, device=flat.device)
+        work = dist.all_gather_single(gathered, small, group=group, async_op=True)
+
+        def total(f: torch.futures.Future[Any]) -> torch.Tensor:
+            f.value()  # raises the collective's error
+            parts = gathered.view(group.size(), -1)
+            flat.copy_(parts[0])
+            for p in parts[1:]:
+                flat.add_(p)
+            return flat
+
+        return work.get_future().then(total)  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return f"CompressionHook({self.dtype})"
+
+
 class _Bucket:
-    def __init__(self, index: int, params: list[torch.nn.Parameter], alloc: Any = None):
+    def __init__(self, index: int, params: list[torch.nn.Parameter]):
         self.index = index
-        self.params = params
+        self.refs = [weakref.ref(p) for p in params]
         p0 = params[0]
         self.numels = [p.numel() for p in params]
         self.offsets = []
@@ -64,18 +139,20 @@ class _Bucket:
             off += n
         self.total = off
         # Gradients first, then one flag per parameter.
-        if alloc is None:
-            self.flat = torch.zeros(off + len(params), dtype=p0.dtype, device=p0.device)
-        else:  # e.g. a buffer in the shared segment (zero-copy transports)
-            self.flat = alloc(off + len(params), p0.dtype, p0.device)
+        self.flat = torch.zeros(off + len(params), dtype=p0.dtype, device=p0.device)
         self.views = [self.flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, params)]
         self.flags = self.flat[off:]
         self.reset()
 
+    @property
+    def params(self) -> list[torch.nn.Parameter | None]:
+        """The bucket's parameters in buffer order; None for one that was freed."""
+        return [r() for r in self.refs]
+
     def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.had_grad = [False] * len(self.params)
-        self.pending = len(self.params)
+        self.ready = [False] * len(self.refs)
+        self.had_grad = [False] * len(self.refs)
+        self.pending = len(self.refs)
         self.launched = False
         self.future: torch.futures.Future[torch.Tensor] | None = None
 
@@ -85,18 +162,20 @@ class GradientSynchronizer:
 
     Args:
         params: the parameters to synchronize (those without ``requires_grad`` are skipped).
-        comm: the strategy's ``CollectiveAllReduce`` (the hook's state; it also allocates bucket buffers).
+        group: the strategy's process group (the hook's ``state``).
         bytes_per_pack: bucket size in bytes; 0 puts each dtype/device group in one bucket.
         hook: ``hook(state, bucket) -> Future``; default ``allreduce_hook``.
+        health: the strategy's ``HealthMonitor``: counts the collectives, names the rank behind a failure.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], comm: CollectiveAllReduce, bytes_per_pack: int = 0,
-                 hook: Hook | None = None):
+    def __init__(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, bytes_per_pack: int = 0,
+                 hook: Hook | None = None, health: Any = None):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {bytes_per_pack!r}")
-        self.comm = comm
+        self.state = group
         self.hook: Hook = hook if hook is not None else allreduce_hook
-        self.world_size = comm.world_size
+        self.health = health
+        self.world_size = group.size()
         self.bytes_per_pack = bytes_per_pack
         seen: set[int] = set()
         plist = []
@@ -104,13 +183,10 @@ class GradientSynchronizer:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 plist.append(p)
-        self.params = plist
-        self.buckets = self._make_buckets(list(reversed(plist)))
-        self._where: dict[int, tuple[_Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-        self._state = _IDLE
+        # Weak: the parameters own the synchronizer (through their hooks), not the other way round, so a
+        # dropped model frees its parameters, and the strategy forgets a synchronizer whose are all gone.
+        self._refs = [weakref.ref(p) for p in plist]
+        self._set_buckets()
         self._next_launch = 0
         self._sync_enabled = True
         self._local_pending = False  # gradients accumulated under no_sync, not yet reduced
@@ -120,11 +196,22 @@ class GradientSynchronizer:
             self._hooks.append(p.register_hook(self._make_pre_hook()))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.num_reductions = 0  # buckets reduced so far (tests and benchmarks read it)
-        # Set by the strategy: turns a failed collective into an error naming the rank; counts collectives.
-        self.on_error: Any = None
-        self.on_collective: Any = None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The synchronized parameters that are still alive."""
+        return [p for p in (r() for r in self._refs) if p is not None]
+
+    @property
+    def alive(self) -> bool:
+        return any(r() is not None for r in self._refs)
 
     # --- set-up --------------------------------------------------------------------------------------------
+    def _set_buckets(self) -> None:
+        self.buckets = self._make_buckets(list(reversed(self.params)))
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._state = _IDLE
+
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         groups: dict[tuple[Any, Any], list[list[torch.nn.Parameter]]] = {}
         order: list[tuple[Any, Any]] = []
@@ -145,20 +232,15 @@ class GradientSynchronizer:
             for plist in groups[key]:
                 if compressed and not plist[0].dtype.is_floating_point:
                     raise ValueError(f"gradient compression needs floating-point parameters, got {plist[0].dtype}")
-                # The default hook reduces in place: its buckets live where the reduction needs no copy in.
-                alloc = self.comm.buffer if self.hook is allreduce_hook else None
-                buckets.append(_Bucket(len(buckets), plist, alloc))
+                buckets.append(_Bucket(len(buckets), plist))
         return buckets
 
     def set_hook(self, hook: Hook) -> None:
-        """Replaces the communication hook (between steps). A hook other than ``allreduce_hook`` gets
-        ordinary tensors as buckets (its result is copied into them)."""
+        """Replaces the communication hook (between steps)."""
         if self._state == _BACKWARD:
             raise RuntimeError("cannot change the communication hook during backward")
         self.hook = hook
-        self.buckets = self._make_buckets(list(reversed(self.params)))
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._state = _IDLE
+        self._set_buckets()
 
     def close(self) -> None:
         for h in self._hooks:
@@ -183,16 +265,15 @@ class GradientSynchronizer:
         return id(param) in self._where
 
     def before_step(self) -> None:
-        """Called before ``optimizer.step()``: reduces what no_sync left pending and waits for everything."""
+        """Called before ``optimizer.step()``: reduces what no_sync left pending and waits for everything.
+
+        After the step the reduced gradients stay in ``.grad`` (the state stays REDUCED), so a backward
+        without ``zero_grad()`` in between adds to them as a second backward does."""
         if self._state == _BACKWARD:
             self._finish()
         elif self._state == _IDLE and self._local_pending and self._sync_enabled:
             self._state = _BACKWARD
             self._finish()
-
-    def after_step(self) -> None:
-        """Called after ``optimizer.step()``: the reduced gradients stay in ``.grad`` (the state stays
-        REDUCED), so a backward without ``zero_grad()`` in between adds to them as a second backward does."""
 
     # --- hooks ---------------------------------------------------------------------------------------------
     def _make_pre_hook(self) -> Any:
@@ -233,10 +314,10 @@ class GradientSynchronizer:
         self._next_launch = 0
         self._state = _BACKWARD
 
-    def _take_grad(self, bucket: _Bucket, i: int, param: torch.Tensor) -> None:
+    def _take_grad(self, bucket: _Bucket, i: int, param: torch.Tensor | None) -> None:
         view = bucket.views[i]
-        g = param.grad
-        if g is None:
+        g = None if param is None else param.grad
+        if param is None or g is None:
             view.zero_()
             bucket.had_grad[i] = False
             return
@@ -251,10 +332,14 @@ class GradientSynchronizer:
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
-        if self.on_collective is not None:
-            self.on_collective()
+        if self.health is not None:
+            self.health.seq += 1
         b.flags.copy_(torch.tensor(b.had_grad, dtype=b.flags.dtype), non_blocking=True)
-        b.future = self.hook(self.comm, GradBucket(b.index, b.flat))
+        try:
+            b.future = self.hook(self.state, GradBucket(b.index, b.flat, [p for p in b.params if p is not None]))
+        except Exception as exc:  # noqa: BLE001 - raised at the end of backward, like an asynchronous error
+            b.future = torch.futures.Future()
+            b.future.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the value type
         b.launched = True
 
     def _finish(self) -> None:
@@ -275,15 +360,21 @@ class GradientSynchronizer:
                 result = b.future.wait()
             except Exception as exc:
                 self._state = _IDLE
-                if self.on_error is None or type(exc).__module__.startswith("torchstrategies") or not isinstance(
+                if self.health is None or type(exc).__module__.startswith("torchstrategies") or not isinstance(
                         exc, (RuntimeError, TimeoutError)):
                     raise
-                raise self.on_error(exc, f"gradient all-reduce (bucket {b.index} of {len(self.buckets)})") from exc
+                raise self.health.diagnose(exc, f"gradient all-reduce (bucket {b.index} of {len(self.buckets)})") \
+                    from exc
             b.future = None
+            if not isinstance(result, torch.Tensor) or result.shape != b.flat.shape:
+                raise TypeError(f"a communication hook's future must hold the reduced bucket, a tensor of shape "
+                                f"{tuple(b.flat.shape)}; {self.hook!r} gave {type(result).__name__}")
             if result.data_ptr() != b.flat.data_ptr():
                 b.flat.copy_(result)
             flags = b.flags.tolist()
             for i, p in enumerate(b.params):
+                if p is None:
+                    continue
                 if flags[i] > 0.5:
                     if p.grad is None or p.grad.data_ptr() != b.views[i].data_ptr():
                         p.grad = b.views[i]
@@ -292,3 +383,53 @@ class GradientSynchronizer:
             self.num_reductions += 1
         self._local_pending = False
         self._state = _REDUCED
+
+
+class Synchronizers:
+    """A strategy's gradient synchronizers, in creation order (the order their collectives start in before a
+    step); one whose parameters are all gone is forgotten. :meth:`before_step` is the optimizer pre-hook."""
+
+    def __init__(self) -> None:
+        self._list: list[GradientSynchronizer] = []
+        self._generation = 0  # bumped on every change, so an optimizer's cached lookup is redone
+
+    def add(self, sync: GradientSynchronizer) -> None:
+        self._list = self.live() + [sync]
+        self._generation += 1
+
+    def live(self) -> list[GradientSynchronizer]:
+        live = [s for s in self._list if s.alive]
+        if len(live) != len(self._list):
+            self._list = live
+            self._generation += 1
+        return live
+
+    def for_optimizer(self, optimizer: torch.optim.Optimizer) -> list[GradientSynchronizer]:
+        """The synchronizers that own some of ``optimizer``'s parameters (cached on the optimizer)."""
+        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
+        if cache is not None and cache[0] is self and cache[1] == self._generation:
+            return cache[2]
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        found = [s for s in self.live() if any(id(p) in ids for p in s.params)]
+        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found)  # type: ignore[attr-defined]
+        return found
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``register_optimizer_step_pre_hook``: reduce what ``no_sync`` left pending, wait for the rest."""
+        for s in self.for_optimizer(optimizer):
+            s.before_step()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for s in self.live():
+                stack.enter_context(s.no_sync())
+            yield
+
+    def set_hook(self, hook: Hook) -> None:
+        for s in self.live():
+            s.set_hook(hook)
+
+    def close(self) -> None:
+        for s in self.live():
+            s.close()

@@ -19,47 +19,31 @@ Example:
 
 from __future__ import annotations
 
-import logging
-import types
-import weakref
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torchstrategies._ext import _C
-from torchstrategies.distribute import context
-from torchstrategies.distribute.context import _Mode
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
-    ReductionToOneDevice,
     destination_devices,
     select_cross_device_ops,
 )
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
-from torchstrategies.distribute.mirrored_run import (
-    _acting,
-    _local,
-    call_for_each_replica,
-    in_replica_thread,
-    merge_call_in_replica_thread,
-)
-from torchstrategies.distribute.replicated import ReplicaSlot, ReplicaSlots
-from torchstrategies.distribute.values import DistributedValues, PerReplica, local_results
-from torchstrategies.ops import FLOAT_DTYPES
+from torchstrategies.distribute.mirrored_run import call_for_each_replica, current_replica, merge_call
+from torchstrategies.distribute.replicated import ReplicatedTensors
+from torchstrategies.distribute.values import DistributedValues, local_results
 from torchstrategies.reduce_op import ReduceOp
-from torchstrategies.strategies._step_once import install_step_once_support
 from torchstrategies.strategies.one_device import canonical_device
 
 __all__ = ["MirroredStrategy", "MirroredExtended"]
 
-_log = logging.getLogger("torchstrategies.strategies")
-
-# Dtypes whose sequential torch adds equal the default accumulation kernel bit for bit (it accumulates
-# float16/bfloat16 in float32, so those keep the kernel).
-_FOREACH_EXACT = (torch.float32, torch.float64)
-
-_PlanEntry = tuple[int, ReplicaSlot, Any]  # aggregate_gradients: (index in params, slot, common device)
+_STEP_CLOSURE = (
+    "optimizer.step(closure) is not supported inside strategy.run: compute the loss and call backward() in the "
+    "step function, then optimizer.step()"
+)
 
 
 def _default_devices() -> list[str]:
@@ -85,50 +69,50 @@ def _parse_devices(devices: Sequence[Any]) -> tuple[tuple[str, ...], tuple[torch
     return tuple(names), tuple(p for _, p in parsed)
 
 
-_guard_installed = False
-_STEP_CLOSURE = (
-    "optimizer.step(closure) is not supported inside strategy.run: compute the loss and call backward() in the "
-    "step function, then optimizer.step()"
-)
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-_profiler_enabled = torch._C._autograd._profiler_enabled
+def _outside_scope_guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook: inside ``run`` of an in-process strategy with several replicas,
+    an optimizer made outside the scope would step once per replica, each on its own gradient."""
+    replica = current_replica()
+    if replica is None or getattr(opt, "_torchstrategies_seen", False) or len(replica.run.devices) < 2:
+        return
+    raise RuntimeError(
+        f"{type(opt).__name__}.step() was called inside strategy.run on an optimizer created outside "
+        "`with strategy.scope():`; it would step once per replica. Create the model and the optimizer "
+        "inside the scope, so that the step sums the replicas' gradients and updates once"
+    )
 
 
-def _install_outside_scope_guard() -> None:
-    """A global optimizer step pre-hook: stepping, inside ``run``, an optimizer that was created outside
-    the scope but holds replicated parameters would update replica copies one by one; refuse it."""
-    global _guard_installed
-    if _guard_installed:
+def _once_per_step(cls: type, name: str) -> None:
+    """Makes ``cls.name`` a merge_call inside an in-process replica: it runs once per step, in
+    cross-replica context, on the replicas' summed gradients (GradScaler.unscale_/step/update: a
+    non-finite gradient on any replica makes the sum non-finite, so no replica steps and the scale is
+    updated once, TF's LossScaleOptimizer rule; LRScheduler.step: the schedule advances once)."""
+    orig = getattr(cls, name)
+    if getattr(orig, "_torchstrategies_wrapped", False):
         return
 
-    def guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if getattr(opt, "_torchstrategies_seen", False):
-            return
-        mode = context.current_mode()
-        if mode.replica_context is None or mode.cross_replica is not None or mode.is_default:
-            return
-        slots = getattr(mode.replica_context.strategy.extended, "_slots", None)
-        if not isinstance(slots, ReplicaSlots):
-            return
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if slots.contains(p):
-                    raise RuntimeError(
-                        f"{type(opt).__name__}.step() was called inside strategy.run on an optimizer "
-                        "created outside "
-                        "`with strategy.scope():` whose parameters were created inside it; create the "
-                        "optimizer "
-                        "inside the scope so that its step aggregates the replicas' gradients"
-                    )
+    @functools.wraps(orig)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        replica = current_replica()
+        if replica is None:
+            return orig(self, *args, **kwargs)
+        return merge_call(replica, lambda strategy: orig(self, *args, **kwargs), (), {})
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    method._torchstrategies_wrapped = True  # type: ignore[attr-defined]
+    setattr(cls, name, method)
 
-    register_optimizer_step_pre_hook(guard)
-    _guard_installed = True
+
+@functools.cache
+def _install_global_hooks() -> None:
+    register_optimizer_step_pre_hook(_outside_scope_guard)
+    for name in ("unscale_", "step", "update"):
+        _once_per_step(torch.amp.GradScaler, name)
+    _once_per_step(torch.optim.lr_scheduler.LRScheduler, "step")
 
 
 class MirroredExtended(StrategyExtended):
-    """In-process replicas: parameters/buffers with per-replica slots, replica threads, cross-device ops."""
+    """In-process replicas: a component of every parameter and buffer per replica, replica threads,
+    cross-device ops (``distribute/mirrored_run.py``, ``distribute/replicated.py``)."""
 
     def __init__(
         self, devices: Sequence[Any], cross_device_ops: CrossDeviceOps | None, parameter_device: Any = None
@@ -144,80 +128,34 @@ class MirroredExtended(StrategyExtended):
         else:
             self._variable_device = canonical_device(parameter_device)[1]
         self._parameter_devices = (self._variable_device,)
-        # One replica computing where the variables live: no per-replica state at all.
-        self._single_on_variable_device = self._worker_devices == (self._variable_device,)
         self.merge_call_timeout: float | None = None
-        self._roots: list[weakref.ref[torch.nn.Module]] = []
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        # What _refresh_slots saw last (it holds those tensors until a module or optimizer dies or they change)
-        self._watch = _C.TensorWatch()
-        watch = self._watch
-        self._forget_watched = lambda _ref: watch.clear()  # a module or optimizer died (no cycle via self)
-        self._slots = ReplicaSlots(self._worker_devices, self._cross_device_ops)
-        # aggregate_gradients' plans: id(params list) -> (slots generation, the list's tensor ids, plans)
-        self._plans: dict[int, tuple[int, list[int], list[_PlanEntry], list[_PlanEntry]]] = {}
-        _install_outside_scope_guard()
-        install_step_once_support()
+        self._replicated = ReplicatedTensors(self._worker_devices, self._cross_device_ops)
+        # One replica computing where the variables live: it computes with them as they are.
+        self._one_view = self._worker_devices == (self._variable_device,)
+        _install_global_hooks()
 
     # -- running ----------------------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Any, args: tuple, kwargs: dict) -> Any:
-        if self._single_on_variable_device:
-            return super()._call_for_each_replica(fn, args, kwargs)  # nothing differs between replicas
-        self._refresh_slots()
-        if self._num_local_replicas == 1 and not self._slots.swaps:
+        if self._one_view:
             return super()._call_for_each_replica(fn, args, kwargs)
+        self._replicated.refresh()
         return call_for_each_replica(
-            self._container_strategy(), fn, args, kwargs, self.merge_call_timeout, self._slots
+            self._container_strategy(), fn, args, kwargs, self._replicated, self.merge_call_timeout
         )
 
-    def replica_components(self, t: torch.Tensor) -> list[torch.Tensor | None]:
-        """The tensors replica 0..N-1 compute with for parameter or buffer ``t`` (``t`` itself where a
-        replica shares the primary's storage; None where a replica has not used its copy yet)."""
-        self._refresh_slots()
-        return self._slots.components(t)
-
-    def _refresh_slots(self) -> None:
-        """Finds the replicated tensors: parameters and buffers of the modules made (or deep-copied) in
-        scope, and the parameters of the optimizers made in scope, whatever torch did to them since.
-
-        ``_C.TensorWatch`` first compares, in C, the tensors the modules and optimizers hold now with those
-        of the previous run (every run, object identities); the walk below runs only when they differ.
-        """
-        if self._slots.n > 1 and not self._watch.changed(self._roots, self._optimizers):
-            return  # the very tensors of the previous run (one replica: devices decide what swaps, below)
-        self._roots = [r for r in self._roots if r() is not None]
-        self._optimizers = [o for o in self._optimizers if o() is not None]
-        params: list[torch.Tensor | None] = []
-        buffers: list[torch.Tensor | None] = []
-        for r in self._roots:
-            root = r()
-            if root is None:
-                continue
-            stack = [root]
-            seen: set[int] = set()
-            while stack:  # root.modules() in pre-order, without its generators and name prefixes
-                m = stack.pop()
-                if id(m) in seen:
-                    continue
-                seen.add(id(m))
-                if m._parameters:
-                    params.extend(m._parameters.values())
-                if m._buffers:
-                    buffers.extend(m._buffers.values())
-                if m._modules:
-                    stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-        for o in self._optimizers:
-            opt = o()
-            if opt is not None:
-                for group in opt.param_groups:
-                    params.extend(group["params"])
-        self._slots.refresh(params, buffers)
-        self._plans.clear()  # (they hold slots: none may keep a replaced tensor's gradients alive)
-
     def _merge_call(self, replica_context: ReplicaContext, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
-        if in_replica_thread():
-            return merge_call_in_replica_thread(merge_fn, args, kwargs)
+        replica = current_replica()
+        if replica is not None and replica.run.strategy is self._container_strategy():
+            return merge_call(replica, merge_fn, args, kwargs)
         return super()._merge_call(replica_context, merge_fn, args, kwargs)
+
+    def replica_components(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors replica 0..N-1 compute with for parameter or buffer ``t`` (``t`` itself where that
+        is the primary; ``[t]`` for a tensor that is not replicated)."""
+        if self._one_view:
+            return [t]
+        self._replicated.refresh()
+        return self._replicated.components(t)
 
     # -- communication ----------------------------------------------------------------------------
     def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
@@ -250,8 +188,8 @@ class MirroredExtended(StrategyExtended):
         return self._cross_device_ops.broadcast(out, dests)
 
     def _update_components(self, var: Any) -> tuple[Any, ...]:
-        if self._slots.contains(var):
-            return (var,)  # the primary; replica copies refresh from it
+        if isinstance(var, torch.Tensor) and not isinstance(var, DistributedValues):
+            return (var,)  # a replicated tensor: its primary (the components follow at their next turn)
         comps = getattr(var, "_components", None)
         if comps is not None:
             return tuple(comps)
@@ -270,7 +208,7 @@ class MirroredExtended(StrategyExtended):
         return buffer.detach().to(self._variable_device)
 
     def _on_module_created(self, module: torch.nn.Module) -> None:
-        self._roots.append(weakref.ref(module, self._forget_watched))
+        self._replicated.add_module(module)
 
     def _create_variable(
         self,
@@ -285,224 +223,58 @@ class MirroredExtended(StrategyExtended):
         return create_distributed_variable(self, initial_value, synchronization, aggregation, trainable, name)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
-        ext_ref = weakref.ref(self)
-        self._optimizers.append(weakref.ref(optimizer, self._forget_watched))
+        """Its parameters are replicated, and its ``step()`` inside ``run`` becomes a merge_call: one
+        update of the primaries from the replicas' summed gradients (``_merged_step``)."""
+        self._replicated.add_optimizer(optimizer)
+        optimizer._torchstrategies_replicated = self._replicated  # type: ignore[attr-defined]
+        _merged_step(type(optimizer))
 
-        def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            if (
-                set_to_none is True
-                and type(opt).zero_grad is _TORCH_ZERO_GRAD
-                and (_acting.replica or _local.replica) is not None  # (in_replica_thread(), inline)
-                and hasattr(opt, "_zero_grad_profile_name")
-                and not _profiler_enabled()
-                and not torch.compiler.is_compiling()
-            ):
-                # A replica's zero_grad (once per replica per step): what torch's does with set_to_none,
-                # without its record_function and dynamo wrappers (kept whenever a profiler records, or
-                # dynamo traces); in C unless a parameter is a tensor subclass.
-                if not _C.clear_gradients(opt.param_groups):
-                    for group in opt.param_groups:
-                        for p in group["params"]:
-                            if p.grad is not None:
-                                p.grad = None
-                return
-            type(opt).zero_grad(opt, set_to_none)
-            ext = ext_ref()
-            if ext is not None and not in_replica_thread():
-                # cross-replica context: the replicas' gradients are cleared too, as one device's would be
-                for group in opt.param_groups:
-                    for p in group["params"]:
-                        ext._slots.clear_replica_gradients(p)
 
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+def _merged_step(cls: type) -> None:
+    """Wraps ``cls.step`` (once per optimizer class, so no optimizer holds a method bound to itself): for an
+    optimizer made in an in-process strategy's scope, a step inside ``run`` is a merge_call that updates
+    once, in cross-replica context, and every step marks the parameters it wrote for the replicas' seed
+    (fused optimizers move no version counter)."""
+    orig = cls.step  # type: ignore[attr-defined]
+    if getattr(orig, "_torchstrategies_wrapped", False):
+        return
 
-        def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
-            ext = ext_ref()
-            if ext is None:
-                return type(opt).step(opt, closure)
-            # current_replica(), inline: a replica of a scheduled run (replica context, by construction)
-            replica = _acting.replica or _local.replica
-            if replica is not None and replica.run.strategy._extended is ext:
-                if closure is not None:
-                    raise ValueError(_STEP_CLOSURE)
-                # what rc.merge_call reaches for such a replica, without its checks
-                return merge_call_in_replica_thread(optimizer_step, (), {}, replica)
-            mode = context.current_mode()
-            rc = mode.replica_context
-            if rc is not None and mode.cross_replica is None and rc._strategy._extended is ext:
-                if closure is not None:
-                    raise ValueError(_STEP_CLOSURE)
-                return rc.merge_call(optimizer_step)
-            return ext._apply_optimizer_step(opt, closure)
+    @functools.wraps(orig)
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        replicated = getattr(self, "_torchstrategies_replicated", None)
+        if replicated is None:
+            return orig(self, *args, **kwargs)
+        replica = current_replica()
+        if replica is not None and replica.run.replicated is replicated:
+            if any(a is not None for a in (*args, *kwargs.values())):
+                raise ValueError(_STEP_CLOSURE)
+            return merge_call(replica, _update_of(self), (), {})
+        result = orig(self, *args, **kwargs)
+        replicated.mark_written([p for g in self.param_groups for p in g["params"]])
+        return result
 
-        opt_ref = weakref.ref(optimizer)
+    step._torchstrategies_wrapped = True  # type: ignore[attr-defined]
+    cls.step = step  # type: ignore[attr-defined]
 
-        def optimizer_step(strategy: Any) -> Any:  # the merge function: one update from the replicas' sum
-            ext, opt = ext_ref(), opt_ref()
-            assert ext is not None and opt is not None  # both alive: a replica is inside opt.step()
-            return ext._apply_optimizer_step(opt, None)
 
-        optimizer_step.__qualname__ = f"{type(optimizer).__name__}.step"
+def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Any], Any]:
+    """The merge function of ``optimizer.step()``: one update, from the replicas' summed gradients."""
 
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    def update(strategy: Any) -> Any:
+        return optimizer.step()  # (in cross-replica context: the update, and the mark for the seed)
 
-    def _apply_optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-        """Sums the replicas' gradients into the primaries' ``.grad`` and applies the update once."""
-        if self._single_on_variable_device:
-            return type(optimizer).step(optimizer, closure)
-        groups = optimizer.param_groups
-        if len(groups) == 1:
-            self.aggregate_gradients(groups[0]["params"])
-        else:
-            params = []
-            seen: set[int] = set()
-            for group in groups:
-                for p in group["params"]:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        params.append(p)
-            self.aggregate_gradients(params)
-        return type(optimizer).step(optimizer, closure)
-
-    def _gradient_plan(self, params: Sequence[torch.Tensor]) -> tuple[list[_PlanEntry], list[_PlanEntry]]:
-        """``(index in params, slot, device)`` for each replicated parameter of ``params`` (first occurrence);
-        ``device`` is the parameter's device when every replica computes there (else None). Two lists: the
-        entries ``_C.sum_replica_gradients`` may sum (the default reduction, every replica on the
-        parameter's CPU device), then the others. Cached per ``params`` list while it holds the same
-        tensors and the replicated set is unchanged."""
-        slots = self._slots
-        ids = list(map(id, params))
-        cached = self._plans.get(id(params))
-        if cached is not None and cached[0] == slots.generation and cached[1] == ids:
-            return cached[2], cached[3]
-        ops = self._cross_device_ops
-        local = type(ops) is ReductionToOneDevice and ops.reduce_to_device is None
-        in_c: list[_PlanEntry] = []
-        other: list[_PlanEntry] = []
-        seen: set[int] = set()
-        workers = self._worker_devices
-        for i, p in enumerate(params):
-            slot = slots.slot(p)
-            if slot is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            device = p.device
-            on_device = len(workers) > 1 and all(d == device for d in workers)
-            entry = (i, slot, device if on_device else None)
-            (in_c if local and on_device and device.type == "cpu" else other).append(entry)
-        if len(self._plans) >= 16:
-            self._plans.clear()
-        self._plans[id(params)] = (slots.generation, ids, in_c, other)
-        return in_c, other
-
-    def aggregate_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Sets each replicated parameter's ``.grad`` to the SUM of its replicas' gradients."""
-        if type(params) is not list:
-            params = list(params)
-        in_c, plan = self._gradient_plan(params)
-        if in_c:
-            # Float32/float64 CPU gradients: summed in C (csrc/cpu/replica_grads.cpp); what it leaves
-            # (other dtypes, non-contiguous gradients, a replica without one, ...) is summed below.
-            left = _C.sum_replica_gradients(params, in_c)
-            if left is None:  # a new tensor where a dead one was (same id): plan anew
-                self._plans.clear()
-                return self.aggregate_gradients(params)
-            if left:
-                plan = left + plan
-        if not plan:
-            return
-        ops = self._cross_device_ops
-        # The default reduction with every replica on the parameter's device (replicas on one device, as on
-        # CPU): float32/float64 gradients are summed in one foreach call per replica, without building
-        # PerReplica values and destinations.
-        local = type(ops) is ReductionToOneDevice and ops.reduce_to_device is None
-        strided = torch.strided
-        n = self._num_local_replicas
-        fast: list[tuple[torch.Tensor, ReplicaSlot]] = []
-        columns: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        rest: list[tuple[torch.Tensor, ReplicaSlot]] = []
-        for i, slot, device in plan:
-            p = params[i]
-            held = slot.ref()
-            if held is None or held is not p:  # a new tensor where a dead one was (same id): plan anew
-                self._plans.clear()
-                return self.aggregate_gradients(params)
-            grads = slot.grads
-            if local and device is not None and p.device == device:
-                dtype = p.dtype
-                if dtype in _FOREACH_EXACT:
-                    for g in grads:
-                        # (a gradient's shape and device follow the parameter's: torch checks them when it
-                        # is set, and every replica computed on p's device)
-                        if g is None or g.dtype is not dtype or g.layout is not strided:
-                            break
-                    else:
-                        fast.append((p, slot))
-                        for k in range(n):
-                            columns[k].append(grads[k])  # type: ignore[arg-type]  # (no None: loop above)
-                        continue
-            rest.append((p, slot))
-        if fast:
-            # Sequential ((g0 + g1) + g2) ... in the gradients' own dtype: bit for bit what the default
-            # accumulation kernel (EXPERIMENTAL_ACCUMULATE_N) computes for float32/float64.
-            totals = torch._foreach_add(columns[0], columns[1])
-            for k in range(2, n):
-                torch._foreach_add_(totals, columns[k])
-            nones = [None] * (n - 1)
-            for (p, slot), total in zip(fast, totals, strict=True):
-                p.grad = total
-                grads = slot.grads  # hand_down (every replica is on p's device), in place
-                grads[0] = total
-                grads[1:] = nones
-        if rest:
-            self._aggregate_general(rest, local)
-
-    def _aggregate_general(self, params: list[tuple[torch.Tensor, ReplicaSlot]], local: bool) -> None:
-        """``aggregate_gradients`` for gradients that are missing on some replica, on other devices, of other
-        dtypes or sparse: through ``cross_device_ops``, or its summing kernel where that needs no move."""
-        slots = self._slots
-        ops = self._cross_device_ops
-        pairs, targets = [], []
-        for p, slot in params:
-            grads = slot.grads
-            ref = next((g for g in grads if g is not None), None)
-            if ref is None:
-                continue  # nothing new from the replicas: keep the primary gradient
-            if local and all(g is not None for g in grads):
-                every = cast(list[torch.Tensor], grads)  # no None, checked just above
-                dtype, shape, device = ref.dtype, ref.shape, p.device
-                if (
-                    dtype in FLOAT_DTYPES
-                    and ref.layout == torch.strided
-                    and all(g.dtype == dtype and g.shape == shape and g.device == device for g in every)
-                ):
-                    total = cast(ReductionToOneDevice, ops)._sum(list(every), None) if len(every) > 1 else ref.clone()
-                    p.grad = total
-                    slots.hand_down(slot, total)
-                    continue
-            full = [
-                g if g is not None else torch.zeros_like(ref, device=self._worker_devices[i])
-                for i, g in enumerate(grads)
-            ]
-            pairs.append((PerReplica(tuple(full)), (p.device,)))
-            targets.append(p)
-            slots.clear_replica_gradients(p)
-        if not pairs:
-            return
-        summed = ops.batch_reduce(ReduceOp.SUM, pairs)
-        for p, g in zip(targets, summed, strict=True):
-            p.grad = g if isinstance(g, torch.Tensor) else g.values[0]
-            slots.hand_down_gradient(p)
+    update.__qualname__ = f"{type(optimizer).__name__}.step"
+    return update
 
 
 class MirroredStrategy(Strategy):
     """Synchronous training on several devices of one process (``tf.distribute.MirroredStrategy``).
 
-    One replica per device, running ``fn`` one at a time as TF does (replica 0 in the calling thread; the
-    others there too, or on worker threads once replica 0 reaches a merge_call). Parameters created in
-    ``scope()`` are mirrored: replica i computes with its own copy on device i; inside ``run``,
+    One replica per device, each on a thread of its own, running ``fn`` one at a time as TF does (replica
+    0 in the calling thread). Parameters and buffers created in ``scope()`` have a component per replica,
+    CPU replicas included: replica i computes with its own copy on device i; inside ``run``,
     ``optimizer.step()`` sums the replicas' gradients with ``cross_device_ops`` and applies one update
-    that every replica sees. Buffers are sync-on-read (MEAN).
+    that reaches every replica. Buffers are sync-on-read (MEAN).
 
     Args:
         devices: device names, e.g. ``["cuda:0", "cuda:1"]`` or, to test on a CPU-only machine,
@@ -538,36 +310,6 @@ class MirroredStrategy(Strategy):
         if devices is None:
             devices = _default_devices()
         super().__init__(MirroredExtended(devices, cross_device_ops))
-        self._run_mode = _Mode(self, None, self, is_default=False)  # the cross-replica mode around run
-
-    def run(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict | None = None,
-        options: Any = None,
-    ) -> Any:
-        """``Strategy.run`` (which see). Called outside any scope with a tuple of arguments (the usual
-        training loop), it does what ``with self.scope():`` does around the call (cross-replica mode, the
-        scope depth, modules made in scope handed over before and after) without that context's per-call
-        objects."""
-        if kwargs or type(args) is not tuple or context.mode_stack() or not callable(fn):
-            return super().run(fn, args, kwargs, options)
-        ext = self._extended
-        mode = self._run_mode
-        context.push_mode(mode)
-        with ext._lock:
-            ext._scope_depth += 1
-        try:
-            ext._flush_created()
-            return ext._call_for_each_replica(fn, args, {})
-        finally:
-            context.pop_mode(mode)
-            with ext._lock:
-                ext._scope_depth -= 1
-                outermost = ext._scope_depth == 0
-            if outermost:
-                ext._flush_created()
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(cast(MirroredExtended, self._extended)._device_names)!r})"

@@ -4,13 +4,18 @@ TF's ``tf.distribute.MultiWorkerMirroredStrategy`` for PyTorch. Each process (wo
 ``num_replicas_in_sync`` is the world size and ``replica_id_in_sync_group`` the rank.
 
 * Launch: ``torchrun --standalone --nproc_per_node=2 train.py`` (or ``--nnodes``/rendezvous on many hosts);
-  a ``TF_CONFIG`` cluster works through ``TFConfigClusterResolver``. The strategy initializes the process
-  group itself when the caller has not (gloo on CPU, NCCL on CUDA, timeout from
+  a ``TF_CONFIG`` cluster works through ``TFConfigClusterResolver``. The strategy initializes the default
+  process group itself when the caller has not (gloo on CPU, NCCL on CUDA, timeout from
   ``communication_options.timeout_seconds``) and destroys it in :meth:`shutdown` (also at exit).
+* ONE torch ProcessGroup carries all cross-worker traffic: the user's (``process_group=``), else one the
+  strategy makes from ``communication_options`` (``distribute/collective_all_reduce.py``): gradients,
+  the initial broadcast, ``reduce``/``gather``/``reduce_to``, SyncBatchNorm, checkpoints, barriers and
+  input agreement, all with public ``torch.distributed`` calls.
 * Under ``scope()``: modules are moved to the local device (``cuda:LOCAL_RANK`` or cpu) and their
-  parameters and buffers broadcast from rank 0, so workers start identical whatever their seeds.
-  Gradients are summed across workers in buckets during ``loss.backward()`` (see ``_grad_sync``); buffers
-  are ON_READ/MEAN (``torchstrategies.checkpoint`` saves their cross-worker mean).
+  parameters and buffers broadcast from rank 0, so workers start identical whatever their seeds. A tensor
+  is synced once; the strategy remembers it by a weak reference, so a tensor made later at a freed one's
+  address is synced too. Gradients are summed across workers in buckets during ``loss.backward()`` (see
+  ``_grad_sync``); buffers are ON_READ/MEAN (``torchstrategies.checkpoint`` saves their cross-worker mean).
 * ``strategy.extended.no_sync()`` accumulates gradients locally; the next synchronized backward (or
   ``optimizer.step()``) reduces the total once.
 
@@ -25,28 +30,38 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategies.cluster_resolver import ClusterResolver, SimpleClusterResolver, TorchrunClusterResolver
 from torchstrategies.collectives import CommunicationOptions
-from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce, CompressionHook
+from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.values import DistributedValues, local_results
-from torchstrategies.errors import UnavailableError
+from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
-from torchstrategies.strategies._grad_sync import GradientSynchronizer
+from torchstrategies.strategies._grad_sync import (
+    CompressionHook,
+    GradBucket,
+    GradientSynchronizer,
+    Hook,
+    Synchronizers,
+    allreduce_hook,
+)
 from torchstrategies.strategies._health import HealthMonitor
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader
 
-__all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds"]
+__all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds", "GradBucket",
+           "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
@@ -63,7 +78,7 @@ def live_extendeds() -> list[MultiWorkerMirroredExtended]:
 
 
 def _import_dynamo_first() -> None:
-    """Imports torch._dynamo before the process group exists.
+    """Imports torch._dynamo before the strategy makes any process group.
 
     torch 2.13 keeps a process group that existed when torch._dynamo was first imported alive after
     ``destroy_process_group()`` (references from C++, found by experiment). Creating any torch optimizer
@@ -71,7 +86,7 @@ def _import_dynamo_first() -> None:
     alive that way still has its worker threads at interpreter exit; one that frees its last work item
     during finalization aborts the process ("terminate called without an active exception", exit -6 under
     torchrun). Importing it first costs nothing extra when an optimizer follows, and lets ``shutdown()``
-    free the group and its threads.
+    free the groups and their threads.
     """
     try:
         import torch._dynamo  # noqa: F401
@@ -91,7 +106,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     """The extended API of :class:`MultiWorkerMirroredStrategy` (``strategy.extended``)."""
 
     def __init__(self, container: Strategy, communication_options: Any, cluster_resolver: ClusterResolver | None,
-                 gradient_compression: Any):
+                 gradient_compression: Any, process_group: Any = None):
         super().__init__(container)
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError(f"communication_options must be a ts.CommunicationOptions, got {communication_options!r}")
@@ -101,6 +116,9 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 f"gradient_compression must be None, 'float16' or 'bfloat16', got {gradient_compression!r}")
         self._compression = _COMPRESSION[gradient_compression]
         self._owns_process_group = False
+        self._store: Any = None
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}")
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             if cluster_resolver is None:
@@ -110,11 +128,14 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                     cluster_resolver = SimpleClusterResolver({"worker": [f"rank:{r}" for r in range(world)]},
                                                              task_type="worker", task_id=rank)
         else:
+            if process_group is not None:
+                raise ValueError("process_group was given but torch.distributed is not initialized")
             if cluster_resolver is None:
                 cluster_resolver = _default_resolver()
             rank, world = cluster_resolver.rank, cluster_resolver.world_size
         self._cluster_resolver = cluster_resolver
         self._device = self._pick_device(cluster_resolver)
+        _import_dynamo_first()
         if not dist.is_initialized():
             self._init_process_group(cluster_resolver)
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,30 +143,32 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             raise ValueError(
                 f"the cluster resolver says rank {cluster_resolver.rank} of {cluster_resolver.world_size}, but the "
                 f"initialized process group is rank {rank} of {world}")
-        self._rank, self._world = rank, world
-        self._num_replicas_in_sync = world
-        self._replica_id_offset = rank
+        if process_group is not None and process_group.size() != world:
+            raise ValueError(f"MultiWorkerMirroredStrategy spans every worker: process_group has "
+                             f"{process_group.size()} of the {world} ranks")
+        # The one seam: every cross-worker operation of this strategy goes through its process group.
+        self._cross_device_ops = CollectiveAllReduce(self._options, group=process_group)
+        self._rank, self._world = self._cross_device_ops.rank, self._cross_device_ops.world_size
+        self._num_replicas_in_sync = self._world
+        self._replica_id_offset = self._rank
         self._worker_devices = (self._device,)
-        # The one seam: every cross-worker reduction of this strategy goes through it.
-        self._cross_device_ops = CollectiveAllReduce(self._options)
-        store = None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - heartbeats are diagnostics only
-            pass
-        self._health = HealthMonitor(store, rank, world)
-        self._synchronizers: list[GradientSynchronizer] = []
-        self._comm_hook: Any = None if self._compression is None else CompressionHook(self._compression)
-        self._synced_params: set[int] = set()
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
+        store = self._store
+        if store is None:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - heartbeats are diagnostics only
+                pass
+        self._health = HealthMonitor(store, self._rank, self._world)
+        self._synchronizers = Synchronizers()
+        self._comm_hook: Hook | None = None if self._compression is None else CompressionHook(self._compression)
+        # Tensors already broadcast, by identity that dies with them (an id() would be reused by a new one).
+        self._synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._hooks = [register_optimizer_step_pre_hook(self._synchronizers.before_step)]
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)
-        log.info("MultiWorkerMirroredStrategy: rank %d of %d on %s, implementation %s", rank, world, self._device,
-                 self._cross_device_ops.implementation_name)
+        log.info("MultiWorkerMirroredStrategy: rank %d of %d on %s, %r", self._rank, self._world, self._device,
+                 self._cross_device_ops)
 
     # --- set-up -------------------------------------------------------------------------------------------
     @staticmethod
@@ -188,24 +211,28 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"torchstrategies/{run_id}/attempt_{attempt}/", store)
-        _import_dynamo_first()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        self._store = store
         self._owns_process_group = True
 
     def shutdown(self) -> None:
-        """Removes the hooks, stops the heartbeat and destroys the process group if this strategy made it."""
+        """Removes the hooks, stops the heartbeat and destroys the process groups this strategy made."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
         _LIVE.discard(self)
         for h in self._hooks:
             h.remove()
-        for s in self._synchronizers:
-            s.close()
+        self._synchronizers.close()
         self._health.stop()
-        if self._owns_process_group and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        if dist.is_initialized():
+            for g in self._cross_device_ops.owned_groups:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(g)
+            if self._owns_process_group:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+        self._store = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.shutdown)
 
@@ -216,13 +243,18 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     @property
     def transport_name(self) -> str:
-        """The CommunicationImplementation the strategy's reductions ask for (AUTO resolves per call)."""
+        """The CommunicationImplementation the strategy's group was made for."""
         return self._cross_device_ops.implementation_name
 
     @property
     def cross_device_ops(self) -> CollectiveAllReduce:
-        """The ``CollectiveAllReduce`` that carries every cross-worker reduction of this strategy."""
+        """The ``CollectiveAllReduce`` that carries every cross-worker operation of this strategy."""
         return self._cross_device_ops
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The torch ProcessGroup all of this strategy's cross-worker traffic goes through."""
+        return self._cross_device_ops.group
 
     @property
     def rank(self) -> int:
@@ -251,37 +283,18 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     # --- creation hooks -----------------------------------------------------------------------------------
     def _on_module_created(self, module: torch.nn.Module) -> None:
-        params = [p for p in module.parameters() if id(p) not in self._synced_params]
         if module_device_mismatch(module, self._device):
-            module.to(self._device)
-        tensors = [p.data for p in params] + [b for b in module.buffers()]
-        self.broadcast_tensors(tensors, src=0)
+            module.to(self._device)  # parameters keep their identity; moved buffers are new tensors
+        params = [p for p in module.parameters() if p not in self._synced]
+        buffers = [b for b in module.buffers() if b not in self._synced]
+        self.broadcast_tensors([p.data for p in params] + buffers, src=0)
         trainable = [p for p in params if p.requires_grad]
         if trainable:
-            hook = self._comm_hook
-            sync = GradientSynchronizer(trainable, self._cross_device_ops, self._options.bytes_per_pack, hook)
-            sync.on_error = self._diagnose
-            sync.on_collective = self._count_collective
-            self._synchronizers.append(sync)
-        for p in params:
-            self._synced_params.add(id(p))
-
-    def _synchronizers_for(self, optimizer: torch.optim.Optimizer) -> list[GradientSynchronizer]:
-        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
-        if cache is not None and cache[0] == len(self._synchronizers):
-            return cache[1]
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        found = [s for s in self._synchronizers if any(id(p) in ids for p in s.params)]
-        optimizer._torchstrategies_mwms_syncs = (len(self._synchronizers), found)  # type: ignore[attr-defined]
-        return found
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for s in self._synchronizers_for(optimizer):
-            self._guard(s.before_step, "gradient all-reduce")
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for s in self._synchronizers_for(optimizer):
-            s.after_step()
+            sync = GradientSynchronizer(trainable, self.process_group, self._options.bytes_per_pack,
+                                        self._comm_hook, self._health)
+            self._synchronizers.add(sync)
+        for t in itertools.chain(params, buffers):
+            self._synced[t] = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -292,57 +305,54 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             ...     loss_fn(model, batch_1).backward()
             >>> loss_fn(model, batch_2).backward()      # reduces the sum of both  # doctest: +SKIP
         """
-        with contextlib.ExitStack() as stack:
-            for s in self._synchronizers:
-                stack.enter_context(s.no_sync())
+        with self._synchronizers.no_sync():
             yield
 
-    def register_comm_hook(self, hook: Any) -> None:
+    def register_comm_hook(self, hook: Hook) -> None:
         """Sends gradient buckets through ``hook(state, bucket) -> torch.futures.Future`` (DDP's comm hooks).
 
-        ``state`` is this strategy's ``CollectiveAllReduce``; ``bucket.buffer()`` is the flat bucket, and the
-        future's value its reduced contents (SUM over workers). Applies to the modules made so far and later.
+        ``state`` is the strategy's process group (``extended.process_group``); ``bucket.buffer()`` is the
+        flat bucket, and the future's value must be its reduced contents, a tensor of the same shape (SUM
+        over workers; torch's own ``default_hooks.allreduce_hook`` averages instead). Applies to the modules
+        made so far and later.
 
         Example:
-            >>> from torchstrategies.distribute.collective_all_reduce import allreduce_hook   # doctest: +SKIP
+            >>> from torchstrategies.strategies.multi_worker_mirrored import allreduce_hook   # doctest: +SKIP
             >>> strategy.extended.register_comm_hook(allreduce_hook)                         # doctest: +SKIP
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = hook
-        for s in self._synchronizers:
-            s.set_hook(hook)
+        self._synchronizers.set_hook(hook)
 
     @property
     def gradient_synchronizers(self) -> tuple[GradientSynchronizer, ...]:
-        return tuple(self._synchronizers)
+        return tuple(self._synchronizers.live())
 
-    # --- communication ------------------------------------------------------------------------------------
+    # --- communication: every call goes through the strategy's process group ------------------------------
     def _guard(self, fn: Callable[[], Any], what: str) -> Any:
         self._health.seq += 1
         try:
             return fn()
         except (RuntimeError, TimeoutError) as exc:
-            from torchstrategies.errors import TorchStrategiesError
-
             if isinstance(exc, TorchStrategiesError):
                 raise
             raise self._health.diagnose(exc, what) from exc
 
-    def _count_collective(self) -> None:
-        self._health.seq += 1
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrites ``tensors`` in place with rank ``src``'s values (packed per dtype). Every worker calls it."""
+        self._guard(lambda: self._cross_device_ops.broadcast_(tensors, src), "broadcast")
 
-    def _diagnose(self, exc: BaseException, what: str) -> Exception:
-        return self._health.diagnose(exc, what)
+    def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
+                           options: Any = None) -> list[torch.Tensor]:
+        """Each tensor reduced over every worker (new tensors), in any context. Every worker calls it."""
+        rop = ReduceOp.from_any(op)
+        return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(rop, tensors, options),
+                           f"{rop.name} all-reduce")
 
-    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
-        """Overwrites ``tensors`` in place with rank ``src``'s values (packed per dtype)."""
-        self._guard(lambda: self._cross_device_ops.broadcast_(tensors, src), "broadcast of the initial parameters")
-
-    def _all_reduce_tensors(self, op: ReduceOp, tensors: list[torch.Tensor], options: Any = None) -> list[torch.Tensor]:
-        """Cross-worker reduction of each tensor (copies), through the strategy's CollectiveAllReduce."""
-        return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(op, tensors, options),
-                           f"{op.name} all-reduce")
+    def barrier(self) -> None:
+        """Returns when every worker has called it; a dead or hung worker raises a named error."""
+        self._guard(self._cross_device_ops.barrier, "barrier")
 
     def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
         return self._batch_reduce_to(op, [(value, destinations)], options)[0]
@@ -355,7 +365,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 raise ValueError(f"MultiWorkerMirroredStrategy has one replica per worker, got {len(comps)} "
                                  f"components in {v!r}")
             tensors.append(torch.as_tensor(comps[0]))
-        reduced = self._all_reduce_tensors(op, tensors, options)
+        reduced = self.all_reduce_tensors(op, tensors, options)
         return [self._to_destinations(r, self._destination_devices(d)) for r, (_, d) in zip(reduced, pairs)]
 
     def _gather_to(self, value: Any, destinations: Any, axis: int, options: Any) -> Any:
@@ -372,7 +382,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _input_max_over_pipelines(self, values: list[int]) -> list[int]:
         flags = torch.tensor(values, dtype=torch.int64, device=self._device)
-        (out,) = self._all_reduce_tensors(ReduceOp.MAX, [flags])
+        (out,) = self.all_reduce_tensors(ReduceOp.MAX, [flags])
         return [int(v) for v in out.tolist()]
 
     def _shared_seed(self) -> int:
@@ -403,16 +413,19 @@ class MultiWorkerMirroredStrategy(Strategy):
     Args:
         communication_options: ``ts.CommunicationOptions`` (``bytes_per_pack``: gradient bucket size, 0 = one
             bucket; ``timeout_seconds``: collective and process-group timeout; ``implementation``: which
-            all-reduce carries the gradients).
+            process group (backend) carries every cross-worker operation).
         cluster_resolver: where the cluster is described; default ``TorchrunClusterResolver()`` (or
             ``TFConfigClusterResolver()`` when only ``TF_CONFIG`` is set). Ignored for rank/world when a
             process group is already initialized (it must agree).
         gradient_compression: keyword-only extension: ``"float16"`` / ``"bfloat16"`` sends gradients in 16
             bits and sums them in float32 (error bound in ``strategies/_grad_sync.py``).
+        process_group: keyword-only extension: a ``torch.distributed`` ProcessGroup over every rank to send
+            everything through (e.g. one on the ``"torchstrategies"`` backend you made); None: the strategy
+            makes one from ``communication_options``.
 
     Raises:
         ValueError: the environment does not describe a cluster (names the missing variable and how to
-            launch), or a bad option.
+            launch), or a bad option (e.g. both ``process_group`` and an ``implementation``).
 
     Example:
         >>> # torchrun --standalone --nproc_per_node=2 train.py
@@ -428,16 +441,16 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, communication_options: Any = None, cluster_resolver: ClusterResolver | None = None, *,
-                 gradient_compression: Any = None):
+                 gradient_compression: Any = None, process_group: Any = None):
         super().__init__(MultiWorkerMirroredExtended(self, communication_options, cluster_resolver,
-                                                     gradient_compression))
+                                                     gradient_compression, process_group))
 
     @property
     def extended(self) -> MultiWorkerMirroredExtended:
         return cast(MultiWorkerMirroredExtended, self._extended)
 
     def shutdown(self) -> None:
-        """Releases hooks and the process group this strategy created (also done at interpreter exit)."""
+        """Releases hooks and the process groups this strategy created (also done at interpreter exit)."""
         self.extended.shutdown()
 
     def __enter__(self) -> MultiWorkerMirroredStrategy:

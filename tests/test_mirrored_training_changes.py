@@ -1,7 +1,7 @@
-"""MirroredStrategy's hot path: ``_C.TensorWatch`` (the module walk only when tensors
-changed), ``_refresh_slots`` on it, the replica ``zero_grad`` fast path and ``aggregate_gradients``' cached
-plan. Whatever a user or torch does to modules and optimizers between runs, training equals plain torch on
-one device with the same global batch (float64, 1e-9); the gradient sums equal sums formed by hand.
+"""MirroredStrategy when modules, optimizers and gradients change between and inside runs: whatever a user
+or torch does to modules and optimizers between runs, training equals plain torch on one device with the
+same global batch (float64, 1e-9); a replica's zero_grad, gradients of other dtypes, sparse gradients and
+gradients some replicas lack are summed as one device accumulates them; nothing of a deleted model is kept.
 
 Both ``zero_grad`` orders (before backward / after step) are covered by tests/test_conformance.py.
 """
@@ -11,10 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import subprocess
-import sys
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +19,6 @@ import torch
 from torch import nn
 
 import torchstrategies as ts
-from torchstrategies._ext import _C
 
 B = 8  # global batch: 4 examples per replica
 LR = 0.1
@@ -32,266 +28,6 @@ def _rid() -> int:
     return ts.get_replica_context().replica_id_in_sync_group
 
 
-# -- _C.TensorWatch ------------------------------------------------------------------------------------
-# ``changed`` takes weak references to the roots and to the optimizers whose param_groups hold the lists.
-
-
-class _Optimizer:
-    """What the watch reads of an optimizer: its param_groups' "params" lists."""
-
-    def __init__(self, lists: list[Any]) -> None:
-        self.param_groups = [{"params": lst} for lst in lists]
-
-
-def _weak(obj: Any) -> Any:
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return obj  # (not a weak reference: the watch must report a change, as for an unreadable root)
-
-
-def _changed(watch: Any, roots: list[Any], lists: list[Any]) -> bool:
-    """``watch.changed`` for the modules ``roots``, then the parameter lists ``lists``."""
-    opt = _Optimizer(lists)
-    return watch.changed([_weak(r) for r in roots], [weakref.ref(opt)] if lists else [])
-
-
-def _python_walk(roots: list[Any], lists: list[list[Any]]) -> list[Any]:
-    """The sequence TensorWatch compares (csrc/cpu/tensor_watch.cpp): per root its modules in pre-order
-    (each once per root), their parameters then buffers, each dict closed by a mark; then each list."""
-    out: list[Any] = []
-    for root in roots:
-        stack, seen = [root], set()
-        while stack:
-            m = stack.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            out += [*m._parameters.values(), "mark", *m._buffers.values(), "mark"]
-            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    for lst in lists:
-        out += [*lst, "mark"]
-    return out
-
-
-def _watched() -> tuple[Any, list[nn.Module], list[list[torch.Tensor]]]:
-    """A watch that has seen a Sequential(Linear, ReLU, BatchNorm1d) and a second root, and an optimizer's
-    parameter list, once (its first answer checked)."""
-    seq = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.BatchNorm1d(2))
-    roots: list[nn.Module] = [seq, nn.Linear(1, 1)]
-    lists = [list(seq.parameters())]
-    watch = _C.TensorWatch()
-    assert len(watch) == 0
-    assert _changed(watch, roots, lists) is True  # first call
-    assert _changed(watch, roots, lists) is False  # the very same tensors
-    assert len(watch) == len(_python_walk(roots, lists))
-    return watch, roots, lists
-
-
-def _write_param(roots, lists):
-    roots[0][0]._parameters["weight"] = nn.Parameter(torch.zeros(2, 3))
-
-
-def _bn_double(roots, lists):
-    roots[0][2].double()  # torch's _apply writes new buffers into _buffers (parameters keep their object)
-
-
-def _bn_to_float64(roots, lists):
-    roots[0][2].to(torch.float64)
-
-
-def _del_bias(roots, lists):
-    del roots[0][0].bias
-
-
-def _modules_write(roots, lists):
-    roots[0]._modules["9"] = nn.Linear(2, 2)
-
-
-def _sequential_insert(roots, lists):
-    roots[0].insert(1, nn.Linear(2, 2))
-
-
-def _list_append(roots, lists):
-    lists[0].append(nn.Parameter(torch.zeros(1)))
-
-
-def _other_list(roots, lists):
-    lists[0] = [nn.Parameter(torch.zeros(1)), *lists[0]]  # a different list object, other tensors
-
-
-def _root_dropped(roots, lists):
-    del roots[1]
-
-
-CHANGES: dict[str, Callable[[list[nn.Module], list[list[torch.Tensor]]], None]] = {
-    "parameters_write": _write_param,
-    "batchnorm_double": _bn_double,
-    "batchnorm_to_float64": _bn_to_float64,
-    "del_bias": _del_bias,
-    "modules_write": _modules_write,
-    "sequential_insert": _sequential_insert,
-    "param_list_append": _list_append,
-    "other_list": _other_list,
-    "root_dropped": _root_dropped,
-}
-
-
-@pytest.mark.parametrize("change", list(CHANGES))
-def test_watch_reports_each_change_of_the_tensors_once(change):
-    watch, roots, lists = _watched()
-    CHANGES[change](roots, lists)
-    assert _changed(watch, roots, lists) is True
-    assert len(watch) == len(_python_walk(roots, lists))  # it now holds the new sequence
-    assert _changed(watch, roots, lists) is False
-
-
-def test_watch_compares_tensor_identities_not_values_lists_or_tensorless_modules():
-    watch, roots, lists = _watched()
-    with torch.no_grad():
-        roots[0][0].weight.add_(1.0)  # in place: the same tensor object
-    roots[0][0].weight.data = torch.ones(2, 3)  # .data: the same Parameter object
-    roots[0][1] = nn.Tanh()  # a module without tensors swapped for another
-    roots[0][0].double()  # parameters converted through .data: the same objects (no buffers here)
-    assert _changed(watch, roots, [list(lists[0])]) is False  # a copy of the list: the same tensors
-    assert _changed(watch, list(roots), lists) is False
-
-
-def test_watch_len_and_clear():
-    watch, roots, lists = _watched()
-    assert len(watch) > 0
-    watch.clear()
-    assert len(watch) == 0
-    assert _changed(watch, roots, lists) is True  # forgotten: a change again
-    assert _changed(watch, roots, lists) is False
-
-
-def test_watch_walks_a_shared_module_once_per_root_like_the_python_walk():
-    lin = nn.Linear(2, 2)
-    seq = nn.Sequential(lin, nn.ReLU(), lin, nn.Sequential(lin))
-    watch = _C.TensorWatch()
-    _changed(watch, [seq], [])
-    expected = _python_walk([seq], [])
-    assert len(watch) == len(expected) == 4 * 2 + 2  # seq, lin, relu, inner: lin's 2 tensors once
-    watch.clear()
-    _changed(watch, [seq, lin], [])  # lin again as a root of its own: walked again there
-    assert len(watch) == len(_python_walk([seq, lin], [])) == len(expected) + 4
-    seq._modules["0"] = nn.Linear(2, 2)  # the shared one is still reached through "2"
-    assert _changed(watch, [seq, lin], []) is True
-    assert len(watch) == len(_python_walk([seq, lin], []))
-
-
-def test_watch_keeps_the_tensors_it_saw_until_clear_but_never_the_modules():
-    watch = _C.TensorWatch()
-    lin = nn.Linear(2, 2)
-    _changed(watch, [lin], [])
-    module_ref, param_ref = weakref.ref(lin), weakref.ref(lin.weight)
-    del lin
-    gc.collect()
-    assert module_ref() is None  # the module itself is not kept
-    assert param_ref() is not None  # its tensors are, so that no other tensor can take their address
-    watch.clear()
-    gc.collect()
-    assert param_ref() is None
-
-
-class _Bag:
-    """An object with a __dict__ but no module dicts in it."""
-
-
-@pytest.mark.parametrize("odd", ["object", "no_module_dicts", "lost_parameters", "dict_subclass", "tuple"])
-def test_watch_reports_a_change_every_time_for_what_it_cannot_read(odd):
-    lin = nn.Linear(2, 2)
-    roots: list[Any] = [lin]
-    lists: list[Any] = []
-    if odd == "object":
-        roots.append(object())  # no __dict__ at all
-    elif odd == "no_module_dicts":
-        roots.append(_Bag())
-    elif odd == "lost_parameters":
-        del lin.__dict__["_parameters"]
-    elif odd == "dict_subclass":
-        lin.__dict__["_buffers"] = type("D", (dict,), {})()
-    else:
-        lists.append(tuple(nn.Linear(1, 1).parameters()))  # not a list
-    watch = _C.TensorWatch()
-    for _ in range(3):
-        assert _changed(watch, roots, lists) is True
-    assert len(watch) == 0  # nothing kept: the next call is a change too
-
-
-@pytest.mark.parametrize("dies", ["root", "optimizer"])
-def test_watch_reports_a_change_while_a_root_or_optimizer_is_dead(dies):
-    keep, lin = nn.Linear(1, 1), nn.Linear(2, 2)
-    opt = _Optimizer([list(lin.parameters())])
-    refs, opt_refs = [weakref.ref(keep), weakref.ref(lin)], [weakref.ref(opt)]
-    watch = _C.TensorWatch()
-    assert watch.changed(refs, opt_refs) is True
-    assert watch.changed(refs, opt_refs) is False
-    if dies == "root":
-        del lin
-    else:
-        del opt
-    gc.collect()
-    for _ in range(2):
-        assert watch.changed(refs, opt_refs) is True
-
-
-_REENTRANT_CLEAR = """
-import gc, weakref
-from torch import nn
-from torchstrategies._ext import _C
-
-refs_api = "root_refs" in (_C.TensorWatch.changed.__doc__ or "")
-
-
-class Cycle:
-    pass
-
-
-watch = _C.TensorWatch()
-lin = nn.Linear(2, 2)
-fresh = nn.Tanh()  # nothing set through Module.__setattr__: its __dict__ is not materialized yet
-roots = [weakref.ref(lin), weakref.ref(fresh)] if refs_api else [lin, fresh]
-lists = []
-watch.changed(roots[:1], lists)  # lin's tensors: the prefix the next call matches first
-changed = watch.changed
-gc.collect()
-gc.disable()
-garbage = Cycle()
-garbage.cycle = garbage  # e.g. an optimizer made in scope (its bound step/zero_grad make a cycle)
-ref = weakref.ref(garbage, lambda _r: CALLBACK)  # MirroredExtended._forget_watched clears the watch
-del garbage
-hold = [{} for _ in range(200)]  # no free dict left: materializing fresh's __dict__ allocates one
-gc.set_threshold(1)
-gc.enable()  # the next allocation collects: the one inside changed(), after lin's tensors matched
-changed(roots, lists)
-gc.set_threshold(700)
-print("ok" if ref() is None else "no collection")
-"""
-
-
-@pytest.mark.timeout(120)
-def test_a_collection_during_changed_runs_callbacks_without_harm():
-    """The setup below really collects inside changed() (the callback ran); a callback that leaves the watch
-    alone is harmless."""
-    control = _run_python(_REENTRANT_CLEAR.replace("CALLBACK", "None"))
-    assert control.returncode == 0 and control.stdout.strip() == "ok", control.stderr[-2000:]
-
-
-@pytest.mark.timeout(120)
-def test_watch_survives_clear_from_a_collection_during_changed():
-    proc = _run_python(_REENTRANT_CLEAR.replace("CALLBACK", "watch.clear()"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
-
-
-def _run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=False
-    )
-
-
-# -- _refresh_slots: training parity when modules and optimizers change between runs ---------------
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -491,22 +227,20 @@ def test_a_deleted_model_and_optimizer_are_not_kept_by_the_strategy():
     assert param_ref() is None and opt_ref() is None
     t2 = _Trainer(s)  # the strategy goes on with another model
     t2.fit(range(1))
-    assert s.extended.replica_components(t2.model.body[0].weight)[1] is t2.model.body[0].weight
+    w = t2.model.body[0].weight
+    comps = s.extended.replica_components(w)
+    assert comps[0] is w and comps[1] is not w and torch.equal(comps[1], w.detach())
 
 
-def test_a_replaced_parameter_is_held_until_the_next_run_only():
+def test_a_replaced_parameter_is_not_held_by_the_strategy():
     t = _Trainer(ts.MirroredStrategy(num_replicas=2))
     with t.scope():
         t.opt = torch.optim.SGD(t.model.parameters(), lr=LR)  # no state keyed by the old parameter
-    gc.collect()  # the first optimizer (its death clears the watch) is gone before the runs
-    t.fit(range(2))  # (two runs: a watch that saw a dead optimizer may keep nothing after the first)
+    t.fit(range(2))
     old_ref = weakref.ref(t.model.body[0].weight)
     _replace_in_optimizer_list(t)  # the optimizer lives on, without the old parameter
-    gc.collect()
-    assert old_ref() is not None  # the watch holds the tensors the last run saw
+    assert old_ref() is None  # (no cycle either: it died with its last reference)
     t.fit(range(2, 3))
-    gc.collect()
-    assert old_ref() is None
 
 
 def test_a_deleted_model_gradients_are_released_once_the_strategy_runs_another_model():
@@ -521,7 +255,7 @@ def test_a_deleted_model_gradients_are_released_once_the_strategy_runs_another_m
     assert grad_ref() is None
 
 
-# -- the replica zero_grad fast path ----------------------------------------------------------------
+# -- a replica's zero_grad -------------------------------------------------------------------------
 def _lin_and_sgd(s: Any, cls: type = torch.optim.SGD) -> tuple[nn.Linear, torch.optim.Optimizer]:
     with s.scope():
         lin = nn.Linear(3, 1).double()
@@ -640,7 +374,7 @@ def test_an_optimizer_overriding_zero_grad_has_its_override_called_in_every_repl
     assert seen == {0: [True, True], 1: [True, True]}
 
 
-# -- aggregate_gradients' plan: other dtypes, sparse gradients, a replica without a gradient ---------
+# -- the gradient sum: other dtypes, sparse gradients, a replica without a gradient -------------------
 def _replica_grads_then_step(s: Any, params: list, opt: torch.optim.Optimizer, loss_fn) -> list:
     """Runs zero_grad, backward, step in each replica; returns each replica's gradients (before the step)."""
 
@@ -782,39 +516,3 @@ def test_a_new_parameter_at_a_dead_parameters_address_does_not_get_its_gradient(
     new.grad = torch.full((1, 1), 10.0)  # e.g. a backward in cross-replica context
     opt.step()  # no run since: `new` is not replicated (yet), its own gradient applies as on one device
     assert float(new.detach()) == -10.0
-
-
-def test_replica_zero_holding_its_gradient_sees_the_sum_as_on_one_device():
-    """On one device the second slice's backward accumulates into the .grad the first slice made, in
-    place, so a reference to it taken after the first backward ends up holding the sum. Replica 0's gradient
-    takes the replicas' sum the same way (csrc/cpu/replica_grads.cpp); the other replicas' are left alone."""
-    xs = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    torch.manual_seed(0)
-    ref_model = nn.Linear(4, 2).double()
-    held_ref = []
-    for k in range(2):  # one device, two slices, one step's gradient
-        ref_model(xs[k]).pow(2).sum().backward()
-        if k == 0:
-            held_ref = [p.grad for p in ref_model.parameters()]
-    assert all(h is p.grad for h, p in zip(held_ref, ref_model.parameters(), strict=True))
-
-    s = ts.MirroredStrategy(num_replicas=2)
-    with s.scope():
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2).double()
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step only sums
-    held: dict[int, list[torch.Tensor]] = {}
-    copies: dict[int, list[torch.Tensor]] = {}
-
-    def fn():
-        opt.zero_grad()
-        model(xs[_rid()]).pow(2).sum().backward()
-        held[_rid()] = [p.grad for p in model.parameters()]
-        copies[_rid()] = [p.grad.clone() for p in model.parameters()]
-        opt.step()
-
-    s.run(fn)
-    for p, h0, h1, c1, r in zip(model.parameters(), held[0], held[1], copies[1], held_ref, strict=True):
-        assert h0 is p.grad  # replica 0's gradient object holds the sum, as the one-device .grad
-        assert torch.equal(p.grad, r)
-        assert torch.equal(h1, c1)  # replica 1's gradient is not written

@@ -1,0 +1,143 @@
+// The torch.distributed backend "torchstrategies": a c10d::Backend whose collectives run on this
+// project's transport (csrc/core/transport.*: shared memory inside a host, the C++ TCP ring between hosts).
+//
+// Every collective returns at once with a Work; one worker thread per backend runs them in the order they
+// were called (FIFO, as every rank calls them in the same order), so communication overlaps the caller's
+// computation (DDP's gradient buckets during backward). A call made with async_op=False, which the caller
+// waits for at once, runs on the caller's thread when nothing is queued before it (same order, no hand-off).
+// Work::getFuture() gives the torch Future that DDP's
+// communication hooks chain on. Native here: allreduce (+ coalesced), broadcast, allgather (+ base and
+// coalesced-into-tensor), reduce_scatter (+ base and coalesced), barrier. Everything else (send / recv,
+// all_to_all, gather, scatter, reduce, and reductions of dtypes or ops our kernels do not take) goes to a gloo
+// backend made from the same store; the collectives among them first agree on a descriptor on our transport,
+// so a rank calling one while another calls something else raises instead of hanging.
+//
+// Errors: torch.distributed.DistBackendError (c10::DistBackendError) whose message starts with
+// "torchstrategies <Name>: " - DeadlineExceededError (a peer is late), UnavailableError (a peer is gone) or
+// ValueError (ranks made different calls, or settings differ) - and names the op, the group and the ranks.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/transport.h"
+
+namespace torchstrategies {
+
+class Work : public c10d::Work {
+ public:
+  Work(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Called once by the worker: the outputs are ready, or the collective failed with `error`.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class Backend final : public c10d::Backend {
+ public:
+  Backend(int rank, int size, std::unique_ptr<core::Transport> transport, double timeout_s);
+  // The gloo backend the collectives we do not run go to (set by the creator right after construction, once
+  // our own set-up succeeded, so a set-up failure is reported as ours).
+  void set_gloo(c10::intrusive_ptr<c10d::Backend> gloo) { gloo_ = std::move(gloo); }
+  ~Backend() override;
+
+  const std::string getBackendName() const override { return "torchstrategies"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Handed to gloo (collectives after a descriptor check on our transport; point-to-point directly).
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  // For torchstrategies.collectives: the plan in words, and a zero-copy shared-memory buffer.
+  std::string plan_name() const { return core::plan_name(transport_->plan()); }
+  int num_hosts() const { return transport_->num_hosts(); }
+  at::Tensor buffer(int64_t numel, at::ScalarType dtype);
+
+ private:
+  using Task = std::function<void(double timeout_s)>;
+  struct Item {
+    c10::intrusive_ptr<Work> work;
+    double timeout_s;
+    Task task;
+  };
+  // Queues `task` (FIFO); `sync` (the caller waits at once, async_op=False) runs it on the caller's thread
+  // when nothing is queued or running.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        std::chrono::milliseconds timeout, bool sync, Task task);
+  // Runs `gloo_op` (a gloo collective) after the ranks agree on `desc` on our transport, in FIFO order.
+  c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                          std::chrono::milliseconds timeout, bool sync, core::CallDesc desc,
+                                          std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op);
+  double timeout_of(std::chrono::milliseconds t) const;
+  void run(Item& item);
+  void loop();
+
+  std::unique_ptr<core::Transport> transport_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  double timeout_s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stop_ = false;
+  bool busy_ = false;  // a task is running (on the worker or inline on a caller's thread)
+  std::thread worker_;
+};
+
+}  // namespace torchstrategies

@@ -1,0 +1,344 @@
+// The in-process replicas' own tensors (MirroredStrategy, CentralStorageStrategy), and the torch
+// thread-local state their threads start from. Python's side: torchstrategies/distribute/replicated.py.
+//
+// _C.ReplicaViews: every replica owns a component of every replicated tensor T (a parameter or buffer made
+// in the scope), as a MirroredVariable has one per device in TF. T stays the user's own nn.Parameter (or
+// buffer) object; what it holds depends on whose turn it is:
+//
+//   cross-replica view  T.data = P (the primary) and T.grad = the cross-replica gradient
+//   replica k's view    T.data = C_k (replica k's component) and T.grad = replica k's gradient G_k
+//
+// C_0 is P itself when replica 0 computes on P's device (TF: the primary is component 0); every other
+// component is a tensor of its own, on its replica's device, CPU replicas included. Replicas run one at a
+// time, so `enter(k)` / `leave()` switch T between the views (set_data and the gradient, per tensor).
+//
+// Cross-replica writes reach the components in `seed`, called when cross-replica code has run and before
+// any replica runs again: at the start of each run every component is copied from P (whatever the user's
+// code did between runs, `.data` writes included); after a merge, the tensors the merge wrote (T's version
+// counter moved, T.data was replaced, or `mark` named them: the optimizers' step, whose fused kernels do
+// not move version counters). A replica's own writes stay in its component; `owned_components` hands the
+// caller every buffer's components at the end of a run, to fold into P (BatchNorm's running statistics
+// are written without moving T's version, so every buffer is folded).
+//
+// Gradients: in the cross-replica view T.grad is the sum of the replicas' gradients, kept up to date by
+// the fold (gradients_to_sum / set_gradients) before any cross-replica code runs. After a sum, replica 0's
+// gradient IS the sum and the others have none, so the sum of the replicas' gradients stays the gradient
+// one device would hold: a later backward without zero_grad accumulates onto it once, and a write to the
+// cross-replica gradient (zero_grad, an assignment) is handed to replica 0 by the next `seed`.
+//
+// _C.ThreadState: at::ThreadLocalState (grad mode, inference mode, autocast, saved-tensor hooks, torch
+// function/dispatch modes, profiler TLS), captured in the thread that calls strategy.run and entered around
+// each replica's function on its own thread, as torch's autograd engine does for its worker threads.
+#include <torch/extension.h>
+
+#include <ATen/ThreadLocalState.h>
+
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace torchstrategies {
+namespace {
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// What identifies P's value apart from its version: the storage and the view of it.
+struct Identity {
+  const void* storage = nullptr;
+  int64_t offset = -1;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  at::Device device = at::kCPU;
+  std::vector<int64_t> sizes, strides;
+
+  static Identity of(const at::Tensor& t) {
+    return {t.storage().unsafeGetStorageImpl(), t.storage_offset(), t.scalar_type(), t.device(),
+            t.sizes().vec(), t.strides().vec()};
+  }
+  bool operator==(const Identity& o) const {
+    return storage == o.storage && offset == o.offset && dtype == o.dtype && device == o.device &&
+           sizes == o.sizes && strides == o.strides;
+  }
+};
+
+struct Entry {
+  explicit Entry(const at::Tensor& t) : ref(t.getIntrusivePtr()) {}
+  WeakTensor ref;                 // T (weak: a replicated tensor dies with its module)
+  bool is_param = false;
+  std::vector<at::Tensor> data;   // C_k (undefined where C_k is P)
+  std::vector<at::Tensor> grads;  // G_k (parameters)
+  at::Tensor primary;             // P (T.variable_data(): T's storage and view, its own version counter)
+  at::Tensor primary_grad;        // the cross-replica view's gradient
+  Identity identity;              // P's identity at the last seed
+  int64_t version = -1;           // T's version counter when the cross-replica view was last entered
+  bool marked = false;            // written by cross-replica code that moves no version counter
+};
+
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+}
+
+class ReplicaViews {
+ public:
+  explicit ReplicaViews(std::vector<at::Device> devices) : devices_(std::move(devices)) {
+    TORCH_CHECK(!devices_.empty(), "ReplicaViews: expected at least one replica device");
+  }
+
+  // Makes `params` and `buffers` the replicated set; what is known of a tensor that stays is kept.
+  void refresh(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers) {
+    TORCH_CHECK(active_ < 0, "ReplicaViews.refresh: replica ", active_, "'s view is active");
+    std::unordered_map<const c10::TensorImpl*, size_t> old;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      auto t = entries_[i].ref.lock();
+      if (t) old.emplace(t.get(), i);
+    }
+    std::vector<Entry> next;
+    std::unordered_map<const c10::TensorImpl*, bool> seen;
+    const size_t n = devices_.size();
+    auto add = [&](const at::Tensor& t, bool is_param) {
+      if (!t.defined() || !seen.emplace(t.unsafeGetTensorImpl(), true).second) return;
+      auto it = old.find(t.unsafeGetTensorImpl());
+      if (it != old.end() && entries_[it->second].is_param == is_param) {
+        next.push_back(std::move(entries_[it->second]));
+        return;
+      }
+      Entry e(t);
+      e.is_param = is_param;
+      e.data.resize(n);
+      e.grads.resize(n);
+      if (is_param) {
+        e.primary_grad = t.grad();
+        e.grads[0] = e.primary_grad;  // a gradient it already has is replica 0's, as after a sum
+      }
+      next.push_back(std::move(e));
+    };
+    for (const auto& t : params) add(t, true);
+    for (const auto& t : buffers) add(t, false);
+    entries_ = std::move(next);
+  }
+
+  // Copies P into every other component of the tensors cross-replica code wrote: all of them (`all`,
+  // at the start of a run), else those whose version moved, whose P was replaced, or that were marked.
+  // Also hands a cross-replica gradient that was (re)set (zero_grad, an assignment) to replica 0.
+  void seed(bool all) {
+    TORCH_CHECK(active_ < 0, "ReplicaViews.seed: replica ", active_, "'s view is active");
+    at::NoGradGuard no_grad;
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      if (e.is_param && !same(t.grad(), e.primary_grad)) {
+        e.primary_grad = t.grad();
+        hand_down(e, e.primary_grad);
+      }
+      Identity now = Identity::of(t);
+      const bool replaced = !(now == e.identity);
+      if (!all && !replaced && !e.marked && t._version() == e.version) continue;
+      if (replaced) {
+        e.identity = std::move(now);
+        e.primary = t.variable_data();
+      }
+      for (size_t k = 0; k < devices_.size(); ++k) {
+        if (!owns_component(e, static_cast<int64_t>(k))) continue;
+        at::Tensor& c = e.data[k];
+        if (c.defined() && c.scalar_type() == t.scalar_type() && c.sizes() == t.sizes() &&
+            c.device() == devices_[k]) {
+          c.copy_(e.primary);
+        } else {
+          c = e.primary.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
+        }
+      }
+      e.version = t._version();
+      e.marked = false;
+    }
+  }
+
+  // Marks `tensors` as written by cross-replica code (for the next `seed`).
+  void mark(const std::vector<at::Tensor>& tensors) {
+    std::unordered_map<const c10::TensorImpl*, bool> wanted;
+    for (const auto& t : tensors) wanted.emplace(t.unsafeGetTensorImpl(), true);
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (impl && wanted.count(impl.get())) e.marked = true;
+    }
+  }
+
+  // Cross-replica view -> replica k's view.
+  void enter(int64_t k) {
+    TORCH_CHECK(active_ < 0, "ReplicaViews.enter(", k, "): replica ", active_, "'s view is active");
+    TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(devices_.size()), "ReplicaViews.enter: no replica ", k);
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      if (owns_component(e, k)) {
+        TORCH_CHECK(e.data[k].defined(), "ReplicaViews.enter: replica ", k, "'s component was not seeded");
+        if (e.is_param) t.mutable_grad().reset();  // (a gradient must match the data's device)
+        t.set_data(e.data[k]);
+      }
+      if (e.is_param) t.mutable_grad() = e.grads[k];
+    }
+    active_ = k;
+  }
+
+  // Replica view -> cross-replica view.
+  void leave() {
+    const int64_t k = active_;
+    if (k < 0) return;
+    active_ = -1;
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      if (e.is_param) e.grads[k] = t.grad();
+      if (owns_component(e, k)) {
+        if (e.is_param) t.mutable_grad().reset();
+        t.set_data(e.primary);
+      }
+      if (e.is_param) t.mutable_grad() = e.primary_grad;
+      e.version = t._version();
+    }
+  }
+
+  // Fold, part 1 (cross-replica view): makes each parameter's gradient the sum of its replicas' where
+  // that needs no arithmetic (none or one has one) and returns the others: (T, [the replicas' gradients]).
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> gradients_to_sum() {
+    TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
+    std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
+    for (auto& e : entries_) {
+      if (!e.is_param) continue;
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      std::vector<at::Tensor> grads;
+      for (const auto& g : e.grads) {
+        if (g.defined()) grads.push_back(g);
+      }
+      if (grads.size() > 1) {
+        out.emplace_back(t, std::move(grads));
+        continue;
+      }
+      at::Tensor total = grads.empty() ? at::Tensor() : grads[0];
+      if (same(total, e.primary_grad) && (!total.defined() || same(total, e.grads[0]))) continue;
+      if (total.defined() && total.device() != t.device()) total = total.to(t.device());
+      set_gradient(e, t, total);
+    }
+    return out;
+  }
+
+  // Fold, part 2: the sums of what gradients_to_sum returned, in its order.
+  void set_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& totals) {
+    TORCH_CHECK(params.size() == totals.size(), "ReplicaViews.set_gradients: ", params.size(),
+                " parameters but ", totals.size(), " sums");
+    std::unordered_map<const c10::TensorImpl*, Entry*> index;
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (impl) index.emplace(impl.get(), &e);
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto it = index.find(params[i].unsafeGetTensorImpl());
+      TORCH_CHECK(it != index.end(), "ReplicaViews.set_gradients: parameter ", i, " is not replicated");
+      set_gradient(*it->second, params[i], totals[i]);
+    }
+  }
+
+  // Fold, part 3 (the end of a run): (T, [replica k's value of T]) for every buffer, and for each
+  // parameter whose P is not replica 0's component ([C_0]: the cross-replica value of an ON_WRITE
+  // parameter is component 0's). The caller writes the aggregate into T.
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> owned_components() {
+    TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
+    std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      if (e.is_param && !owns_component(e, 0)) continue;  // replica 0 wrote P itself
+      out.emplace_back(t, components(e, t, e.is_param ? 1 : devices_.size()));
+    }
+    return out;
+  }
+
+  // What replica 0..N-1 holds for T now (T itself where that is P), or [T] if T is not replicated.
+  std::vector<at::Tensor> components_of(const at::Tensor& t) {
+    for (auto& e : entries_) {
+      auto impl = e.ref.lock();
+      if (impl && impl.get() == t.unsafeGetTensorImpl()) return components(e, t, devices_.size());
+    }
+    return {t};
+  }
+
+  int64_t active() const { return active_; }
+  size_t size() const { return entries_.size(); }
+
+ private:
+  // Whether replica k computes with a component of its own (not P).
+  bool owns_component(const Entry& e, int64_t k) const {
+    return k > 0 || e.identity.device != devices_[0];
+  }
+
+  std::vector<at::Tensor> components(const Entry& e, const at::Tensor& t, size_t count) const {
+    std::vector<at::Tensor> out;
+    for (size_t k = 0; k < count; ++k) {
+      const bool own = owns_component(e, static_cast<int64_t>(k)) && e.data[k].defined();
+      out.push_back(own ? e.data[k] : t);
+    }
+    return out;
+  }
+
+  // Replica 0 starts from `g` (the cross-replica gradient), the others from none.
+  void hand_down(Entry& e, const at::Tensor& g) {
+    for (auto& x : e.grads) x.reset();
+    if (g.defined()) e.grads[0] = g.device() == devices_[0] ? g : g.to(devices_[0]);
+  }
+
+  void set_gradient(Entry& e, const at::Tensor& t, at::Tensor total) {
+    TORCH_CHECK(!total.defined() || total.device() == t.device(), "ReplicaViews: the gradient sum is on ",
+                total.device(), ", its parameter on ", t.device());
+    if (total.defined() && total.layout() == at::kStrided && t.is_non_overlapping_and_dense() &&
+        total.strides() != t.strides()) {
+      // torch's gradient layout contract (AccumulateGrad): a dense parameter's gradient has its strides
+      total = at::empty_strided(t.sizes(), t.strides(), total.options()).copy_(total);
+    }
+    t.mutable_grad() = total;
+    e.primary_grad = total;
+    hand_down(e, total);
+  }
+
+  std::vector<at::Device> devices_;
+  std::vector<Entry> entries_;
+  int64_t active_ = -1;
+};
+
+// at::ThreadLocalState, captured where it is made; `call(fn)` runs fn with it entered.
+struct ThreadState {
+  at::ThreadLocalState state;
+};
+
+}  // namespace
+
+void init_replica_views_bindings(py::module_& m) {
+  py::class_<ReplicaViews>(m, "ReplicaViews",
+                           "Every in-process replica's own component of every replicated tensor "
+                           "(csrc/cpu/replica_views.cpp, distribute/replicated.py).")
+      .def(py::init<std::vector<at::Device>>(), py::arg("devices"))
+      .def("refresh", &ReplicaViews::refresh, py::arg("params"), py::arg("buffers"))
+      .def("seed", &ReplicaViews::seed, py::arg("all"))
+      .def("mark", &ReplicaViews::mark, py::arg("tensors"))
+      .def("enter", &ReplicaViews::enter, py::arg("replica"))
+      .def("leave", &ReplicaViews::leave)
+      .def("gradients_to_sum", &ReplicaViews::gradients_to_sum)
+      .def("set_gradients", &ReplicaViews::set_gradients, py::arg("params"), py::arg("totals"))
+      .def("owned_components", &ReplicaViews::owned_components)
+      .def("components", &ReplicaViews::components_of, py::arg("tensor"))
+      .def_property_readonly("active", &ReplicaViews::active)
+      .def("__len__", &ReplicaViews::size);
+  py::class_<ThreadState>(m, "ThreadState",
+                          "torch's thread-local state (grad mode, autocast, ...) of the thread that made it.")
+      .def(py::init<>())
+      .def("call", [](const ThreadState& s, const py::function& fn) {
+        at::ThreadLocalStateGuard guard(s.state);
+        return fn();
+      }, py::arg("fn"), "Calls fn() with this state entered in the current thread.");
+}
+
+}  // namespace torchstrategies

@@ -1,0 +1,245 @@
+"""Rank bodies for tests/test_backend*.py (top-level so spawn can pickle them): the "torchstrategies"
+torch.distributed backend used through torch.distributed itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX,
+       "PRODUCT": dist.ReduceOp.PRODUCT}
+
+
+def group(impl: str, timeout: float = 60.0, ranks: list[int] | None = None):
+    import torchstrategies  # noqa: F401 - registers the backend
+    from torchstrategies.collectives import BackendOptions
+
+    return dist.new_group(ranks, backend="torchstrategies", timeout=timedelta(seconds=timeout),
+                          pg_options=BackendOptions(implementation=impl))
+
+
+def _values(rank: int, n: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
+    """Small integers (exact in every dtype, also summed or multiplied over 3 ranks), per rank."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    lo, hi = (-2, 3) if op == "PRODUCT" else (-8, 9)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _gloo_reference(x: torch.Tensor, op: str, world: int) -> torch.Tensor:
+    """gloo's all-reduce of ``x`` (in float64 / int64: exact for these values); AVG as SUM / world."""
+    wide = x.to(torch.float64 if x.is_floating_point() else torch.int64, copy=True)
+    dist.all_reduce(wide, op=OPS["SUM" if op == "AVG" else op])
+    if op == "AVG":
+        wide = wide / world
+    return wide.to(x.dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, op: str = "SUM") -> bool:
+    """Equal bits; for AVG (SUM times 1/world in the accumulation type, gloo has no AVG) within a rounding."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if op == "AVG":
+        eps = torch.finfo(a.dtype).eps
+        return torch.allclose(a.double(), b.double(), rtol=2 * eps, atol=0)
+    return torch.equal(a, b)
+
+
+def native_matrix(rank: int, world: int, impl: str, sizes: list[int]) -> list[str]:
+    """Every native collective on the backend against gloo (the world group), every dtype and op."""
+    g = group(impl)
+    fails: list[str] = []
+    for k, (dtype, op, n) in enumerate([(d, o, n) for d in DTYPES for o in OPS for n in sizes]):
+        if op == "AVG" and not dtype.is_floating_point:
+            continue
+        x = _values(rank, n, dtype, op, k)
+        ref = _gloo_reference(x, op, world)
+        tag = f"{dtype} {op} n={n}"
+        y = x.clone()
+        dist.all_reduce(y, op=OPS[op], group=g)
+        if not _same(y, ref, op):
+            fails.append(f"all_reduce {tag}: {y[:4].tolist()} vs {ref[:4].tolist()}")
+        nc = torch.stack([x, x]).t()[:, 0]  # a non-contiguous view
+        dist.all_reduce(nc, op=OPS[op], group=g)
+        if not _same(nc, ref, op):
+            fails.append(f"all_reduce non-contiguous {tag}")
+        parts = [x.clone(), (x * 0 + 1).to(dtype)[: max(1, n // 2)]]
+        refs = [ref, _gloo_reference(parts[1].clone(), op, world)]
+        dist.all_reduce_coalesced(parts, op=OPS[op], group=g)
+        if not all(_same(p, r, op) for p, r in zip(parts, refs)):
+            fails.append(f"all_reduce_coalesced {tag}")
+        full = torch.cat([x + i for i in range(world)]) if op != "PRODUCT" else torch.cat([x] * world)
+        full_ref = _gloo_reference(full.clone(), op, world)
+        out = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(out, full, op=OPS[op], group=g)
+        if not _same(out, full_ref[rank * n:(rank + 1) * n], op):
+            fails.append(f"reduce_scatter_tensor {tag}")
+        out2 = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter(out2, list(full.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world,
+                            op=OPS[op], group=g)
+        if not _same(out2, out):
+            fails.append(f"reduce_scatter (list) {tag}")
+        if op == "SUM":  # the byte-moving collectives, once per dtype and size
+            mine = [torch.empty_like(x) for _ in range(world)]
+            theirs = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(mine, x, group=g)
+            dist.all_gather(theirs, x)
+            if not all(_same(a, b) for a, b in zip(mine, theirs)):
+                fails.append(f"all_gather {tag}")
+            flat = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(flat, x, group=g)
+            if not _same(flat, torch.cat(theirs)):
+                fails.append(f"all_gather_into_tensor {tag}")
+            b = x.clone()
+            dist.broadcast(b, src=world - 1, group=g)
+            if not _same(b, theirs[world - 1]):
+                fails.append(f"broadcast {tag}")
+    dist.barrier(group=g)
+    # A dtype our kernels do not take goes to gloo inside the backend, with the same result.
+    flags = torch.tensor([rank % 2 == 0, True, False])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
+    if flags.tolist() != [True, True, False]:
+        fails.append(f"bool all_reduce through gloo: {flags.tolist()}")
+    return fails
+
+
+def delegated(rank: int, world: int, impl: str) -> dict:
+    """What the backend hands to gloo: all_to_all (uneven), gather, scatter, reduce, send/recv, objects."""
+    g = group(impl)
+    out: dict = {}
+    sizes = [r + 1 for r in range(world)]  # rank r receives r + 1 elements from every rank
+    inp = torch.cat([torch.full((sizes[j],), float(rank * 10 + j)) for j in range(world)])
+    res = torch.empty(world * (rank + 1))
+    dist.all_to_all_single(res, inp, output_split_sizes=[rank + 1] * world, input_split_sizes=sizes, group=g)
+    out["all_to_all"] = res.tolist() == [float(j * 10 + rank) for j in range(world) for _ in range(rank + 1)]
+    lst = [torch.empty(2) for _ in range(world)]
+    dist.all_to_all(lst, [torch.full((2,), float(rank * 10 + j)) for j in range(world)], group=g)
+    out["all_to_all_list"] = [t[0].item() for t in lst] == [float(j * 10 + rank) for j in range(world)]
+    gl = [torch.empty(1) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank)]), gl, dst=0, group=g)
+    out["gather"] = rank != 0 or [t.item() for t in gl] == [float(r) for r in range(world)]
+    sc = torch.empty(1)
+    dist.scatter(sc, [torch.tensor([float(r * 2)]) for r in range(world)] if rank == 0 else None, src=0, group=g)
+    out["scatter"] = sc.item() == float(rank * 2)
+    red = torch.tensor([float(rank + 1)])
+    dist.reduce(red, dst=0, group=g)
+    out["reduce"] = rank != 0 or red.item() == float(world * (world + 1) // 2)
+    if rank in (0, 1):
+        t = torch.tensor([float(rank)])
+        if rank == 0:
+            dist.send(torch.tensor([42.0]), dst=1, group=g)
+        else:
+            dist.recv(t, src=0, group=g)
+        out["send_recv"] = rank == 0 or t.item() == 42.0
+    objs: list = [None] * world
+    dist.all_gather_object(objs, {"rank": rank}, group=g)
+    out["all_gather_object"] = objs == [{"rank": r} for r in range(world)]
+    blist = [f"from {rank}"]
+    dist.broadcast_object_list(blist, src=0, group=g)
+    out["broadcast_object_list"] = blist == ["from 0"]
+    return out
+
+
+def ddp_matches_gloo(rank: int, world: int, impl: str) -> dict:
+    """DDP on the backend trains bitwise like DDP on gloo (float64, 5 steps)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(process_group) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).double()
+        ddp = DDP(model, process_group=process_group, bucket_cap_mb=0.001)  # several buckets
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            x = torch.randn(8, 20, generator=gen, dtype=torch.float64)
+            loss = ddp(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = train(group(impl))
+    gloo = train(None)
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(ours, gloo)),
+            "moved": not torch.equal(ours[0], _initial_first_weight())}
+
+
+def _initial_first_weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.nn.Linear(20, 32).double().weight.detach()
+
+
+def fsdp2_matches_ddp(rank: int, world: int) -> dict:
+    """FSDP2 fully_shard on CPU over the backend (the default group) trains like DDP on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchstrategies  # noqa: F401
+
+    dist.init_process_group("torchstrategies", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)).double()
+
+    def run(m: torch.nn.Module) -> None:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            x = torch.randn(6, 16, generator=gen, dtype=torch.float64)
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    ddp_model = model()
+    run(DDP(ddp_model))
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = model()
+    for layer in sharded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    run(sharded)
+    full = [p.full_tensor() for p in sharded.parameters()]
+    ref = list(ddp_model.parameters())
+    out = {"backend": dist.get_backend(), "close": all(torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+                                                       for a, b in zip(full, ref))}
+    dist.destroy_process_group()
+    return out
+
+
+def peer_dies_or_freezes(rank: int, world: int, impl: str, how: str, victim: int, timeout: float,
+                         tmp: str = "") -> tuple:
+    """``victim`` is SIGKILLed or SIGSTOPped after a first all-reduce; the others report what
+    ``dist.all_reduce`` on the backend raised and how long it took. With SIGSTOP the first survivor then
+    kills the victim once every survivor has its error (files in ``tmp``: the store may be the victim's)."""
+    g = group(impl, timeout=timeout)
+    dist.all_reduce(torch.ones(100), group=g)  # set up while everyone is alive
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        time.sleep(120)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(100), group=g)
+        result: tuple = ("no error", "", 0.0)
+    except dist.DistBackendError as e:
+        result = ("DistBackendError", str(e), time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - reported
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+    # Every survivor stays until all have their error (an exit looks like a death to a slower one).
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
+    survivors = [r for r in range(world) if r != victim]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in survivors):
+        time.sleep(0.05)
+    if how == "stop" and rank == survivors[0]:
+        os.kill(pids[victim], signal.SIGKILL)
+    return result

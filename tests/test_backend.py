@@ -1,0 +1,78 @@
+"""The torch.distributed backend "torchstrategies" (issue 26): every native collective equals gloo's result,
+DDP trains bitwise like DDP on gloo, FSDP2 like DDP, the collectives handed to gloo work, and faults end in
+a named error within the timeout; no shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import _backend_bodies as B
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.usefixtures("no_shm_leftovers")  # tests/conftest.py
+
+_HOSTS_2_1 = lambda r: {"TORCHSTRATEGIES_HOST_ID": "hostA" if r < 2 else "hostB"}  # noqa: E731
+
+
+def _ok(results):
+    for r, fails in enumerate(results):
+        assert fails == [], f"rank {r}: {fails[:8]}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("impl", ["SHM", "RING"])
+def test_two_ranks_every_native_collective_dtype_and_op_equals_gloo(impl):
+    _ok(run_ranks(B.native_matrix, 2, args=(impl, [0, 1, 7, 4099]), timeout=190))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("impl, hosts", [("SHM", None), ("RING", None), ("HIERARCHICAL", _HOSTS_2_1)])
+def test_three_ranks_every_native_collective_dtype_and_op_equals_gloo(impl, hosts):
+    _ok(run_ranks(B.native_matrix, 3, args=(impl, [1, 70001]), timeout=190, env_per_rank=hosts))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", ["SHM", "RING"])
+def test_collectives_handed_to_gloo_work(impl):
+    for out in run_ranks(B.delegated, 3, args=(impl,), timeout=110):
+        assert out and all(out.values()), out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", ["SHM", "RING"])
+def test_ddp_on_the_backend_trains_bitwise_like_ddp_on_gloo(impl):
+    for out in run_ranks(B.ddp_matches_gloo, 2, args=(impl,), timeout=110):
+        assert out == {"bitwise": True, "moved": True}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_fully_shard_on_the_backend_trains_like_ddp():
+    for out in run_ranks(B.fsdp2_matches_ddp, 2, timeout=110, init_process_group=False):
+        assert out == {"backend": "torchstrategies", "close": True}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl, world, hosts", [("SHM", 2, None), ("RING", 3, None),
+                                                ("HIERARCHICAL", 3, _HOSTS_2_1)])
+def test_a_killed_peer_raises_unavailable_naming_it_within_the_timeout(impl, world, hosts, tmp_path):
+    timeout = 10.0
+    res = run_ranks(B.peer_dies_or_freezes, world, args=(impl, "kill", world - 1, timeout, str(tmp_path)), timeout=110,
+                    expect_failure=[world - 1], env_per_rank=hosts)
+    for rank in range(world - 1):
+        kind, msg, took = res[rank]
+        assert kind == "DistBackendError" and "torchstrategies UnavailableError" in msg, (rank, msg)
+        assert f"[{world - 1}]" in msg, (rank, msg)
+        assert took < timeout + 8, (rank, took)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl, world, hosts", [("SHM", 2, None), ("RING", 2, None),
+                                                ("HIERARCHICAL", 3, _HOSTS_2_1)])
+def test_a_frozen_rank_0_hosting_the_store_raises_deadline_exceeded_on_the_others(impl, world, hosts, tmp_path):
+    timeout = 6.0
+    res = run_ranks(B.peer_dies_or_freezes, world, args=(impl, "stop", 0, timeout, str(tmp_path)), timeout=110,
+                    expect_failure=[0], env_per_rank=hosts)
+    for rank in range(1, world):
+        kind, msg, took = res[rank]
+        assert kind == "DistBackendError" and "torchstrategies DeadlineExceededError" in msg, (rank, msg)
+        assert "[0]" in msg, (rank, msg)
+        assert took < 3 * timeout + 10, (rank, took)
