@@ -1,7 +1,9 @@
 """Attacks on a running parameter-server job, run as an outside process: ``python ps_attacks.py JSON``.
 
-JSON: {"targets": {"ps:0": "host:port", ...}, "marker": path, "token": optional x-ts-auth value}. Prints one
-line ``RESULT {...}`` with what each attempt got back. Used by test_parameter_server_security.py.
+JSON: {"targets": {"ps:0": "host:port", ...}, "marker": path, "creds": {target: ...}}: "creds" are single-use
+call credentials (and sealed messages) the test's chief made for this process with a chief's and a worker's
+session, to check what an authenticated peer still cannot do. Prints one line ``RESULT {...}`` with what each
+attempt got back. Used by test_parameter_server_security.py.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _grpc_stream(address: str, method: str, body: bytes, token: str | None) -> s
             reply = next(ch.stream_stream(method)(iter([body]), timeout=10, metadata=md))
         except grpc.RpcError as exc:
             return exc.code().name
-    header, _ = wire.decode(reply)
+    header, _ = wire.decode(reply, offset=48 if reply[:4] == b"TSA2" else 0)  # skip the reply's MAC frame
     return "OK" if header.get("ok") else f"REFUSED: {header.get('error_message')}"
 
 
@@ -129,6 +131,13 @@ def _huge_grpc_claim(host: str, port: int, path: str, token: str | None, claim: 
     return f"no grpc answer ({len(got)} bytes)"
 
 
+EXEC = "/torchstrategies.ps.v1.Worker/Exec"
+CREATE_OPTIMIZER = "/torchstrategies.ps.v1.ParameterServer/CreateOptimizer"
+PUSH = "/torchstrategies.ps.v1.ParameterServer/Push"
+WORKER_STREAM = "/torchstrategies.ps.v1.Worker/Stream"
+PS_STREAM = "/torchstrategies.ps.v1.ParameterServer/Stream"
+
+
 def main(spec: dict) -> dict:
     sys.path.insert(0, spec["root"])
     from torchstrategies.strategies.parameter_server import wire
@@ -138,14 +147,12 @@ def main(spec: dict) -> dict:
     out: dict[str, dict[str, str]] = {}
     for name, address in spec["targets"].items():
         host, _, port = address.rpartition(":")
+        creds = spec["creds"][name]
         r: dict[str, str] = {}
         # (a) the old attack: an 8-byte length and a pickle, on a raw connection.
         r["raw_pickle"] = _raw_tcp(host, int(port), struct.pack("!Q", len(evil)) + evil)
         # (a) gRPC without credentials, on every method that unpickles, raw and in the wire schema.
-        for method in (
-            "/torchstrategies.ps.v1.Worker/Exec",
-            "/torchstrategies.ps.v1.ParameterServer/CreateOptimizer",
-        ):
+        for method in (EXEC, CREATE_OPTIMIZER):
             r[method + " raw"] = _grpc(address, method, evil, None)
             r[method + " wire"] = _grpc(
                 address,
@@ -154,37 +161,30 @@ def main(spec: dict) -> dict:
                 None,
             )
             r[method + " wrong token"] = _grpc(address, method, evil, "0" * 64)
-            if spec.get("task_token"):  # a worker's credentials do not open the chief's methods
-                r[method + " task token"] = _grpc(address, method, evil, spec["task_token"])
+            # a worker's credentials do not open the chief's methods
+            r[method + " task token"] = _grpc(address, method, evil, creds["task"][method])
         # (a) the same on the request streams: the Worker stream is the chief's; on the ps stream, a worker's
         # credentials open the stream but a chief-only method in it is refused before its body is unpickled.
         stream_body = wire.encode(
             {"op": "create_optimizer", "closure": evil, "defs": evil, "cls": evil, "groups": evil, "oid": 1}
         )
-        for method in ("/torchstrategies.ps.v1.Worker/Stream", "/torchstrategies.ps.v1.ParameterServer/Stream"):
+        for method in (WORKER_STREAM, PS_STREAM):
             r[method + " raw"] = _grpc_stream(address, method, evil, None)
             r[method + " wire"] = _grpc_stream(address, method, stream_body, None)
             r[method + " wrong token"] = _grpc_stream(address, method, stream_body, "0" * 64)
-            if spec.get("task_token"):
-                exec_body = wire.encode({"op": "exec", "closure": evil, "defs": evil})
-                body = exec_body if "Worker" in method else stream_body
-                r[method + " task token"] = _grpc_stream(address, method, body, spec["task_token"])
+            sealed = bytes.fromhex(creds["task_messages"][method])  # sealed with the worker's session
+            r[method + " task token"] = _grpc_stream(address, method, sealed, creds["task"][method])
         # (b) the old attack: a length header claiming 256 MiB.
         r["raw_huge_length"] = _raw_tcp(host, int(port), struct.pack("!Q", 256 << 20) + b"x" * 64)
         # (b) a gRPC message claiming 2 GiB - 1, without and with credentials.
-        r["grpc_huge_claim"] = _huge_grpc_claim(
-            host, int(port), "/torchstrategies.ps.v1.ParameterServer/Push", None, 0x7FFFFFFF
+        r["grpc_huge_claim"] = _huge_grpc_claim(host, int(port), PUSH, None, 0x7FFFFFFF)
+        r["grpc_huge_claim_stream"] = _huge_grpc_claim(host, int(port), PS_STREAM, None, 0x7FFFFFFF)
+        r["grpc_huge_claim_authenticated"] = _huge_grpc_claim(
+            host, int(port), PUSH, creds["chief"][PUSH], 0x7FFFFFFF
         )
-        r["grpc_huge_claim_stream"] = _huge_grpc_claim(
-            host, int(port), "/torchstrategies.ps.v1.ParameterServer/Stream", None, 0x7FFFFFFF
+        r["grpc_huge_claim_stream_authenticated"] = _huge_grpc_claim(
+            host, int(port), PS_STREAM, creds["chief"][PS_STREAM], 0x7FFFFFFF
         )
-        if spec.get("token"):
-            r["grpc_huge_claim_authenticated"] = _huge_grpc_claim(
-                host, int(port), "/torchstrategies.ps.v1.ParameterServer/Push", spec["token"], 0x7FFFFFFF
-            )
-            r["grpc_huge_claim_stream_authenticated"] = _huge_grpc_claim(
-                host, int(port), "/torchstrategies.ps.v1.ParameterServer/Stream", spec["token"], 0x7FFFFFFF
-            )
         out[name] = r
     return out
 

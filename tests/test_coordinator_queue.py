@@ -10,7 +10,7 @@ import pytest
 from torchstrategies.errors import CancelledError, UnavailableError
 from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
 from torchstrategies.strategies.parameter_server.remote_value import RemoteValue, RemoteValueStatus
-from torchstrategies.strategies.parameter_server.transport import store_prefix
+from torchstrategies.strategies.parameter_server.rendezvous import store_prefix
 
 os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789abcdef")   # the launch sets it
 
@@ -154,11 +154,12 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
 
 def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
     from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
+    from torchstrategies.strategies.parameter_server.client import RpcClient
 
     store, server = _in_process_server("ps", lease_timeout=1.0)
     address = store.get(f"{store_prefix()}/addr/ps/0").decode().split("|")[0]
-    chief = RpcClient(address, "ps:0", 5.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})   # then silent
+    chief = RpcClient(address, "ps:0", 5.0, JobAuth.from_env(), CHIEF, instance=server.instance,
+                      hello={"op": "hello"})                                                    # then silent
     with pytest.raises(UnavailableError, match="no message from the chief"):
         server.join()
     chief.close()
@@ -166,16 +167,18 @@ def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
 
 def test_server_join_returns_after_shutdown_and_raises_when_the_chief_disconnects():
     from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.transport import RpcClient
+    from torchstrategies.strategies.parameter_server.client import RpcClient
 
     store, server = _in_process_server("worker", lease_timeout=30.0)
     address = store.get(f"{store_prefix()}/addr/worker/0").decode().split("|")[0]
-    chief = RpcClient(address, "worker:0", 5.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})
+    chief = RpcClient(address, "worker:0", 5.0, JobAuth.from_env(), CHIEF, instance=server.instance,
+                      hello={"op": "hello"})
     chief.call({"op": "shutdown"})
     server.join()                                   # an orderly shutdown: returns
     store2, server2 = _in_process_server("worker", lease_timeout=30.0)
     address2 = store2.get(f"{store_prefix()}/addr/worker/0").decode().split("|")[0]
-    chief2 = RpcClient(address2, "worker:0", 5.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})
+    chief2 = RpcClient(address2, "worker:0", 5.0, JobAuth.from_env(), CHIEF, instance=server2.instance,
+                       hello={"op": "hello"})
     chief2.watch()
     chief2.close()                                  # the chief's Watch stream ends without a shutdown
     with pytest.raises(UnavailableError, match="Watch stream ended"):

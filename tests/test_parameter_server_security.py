@@ -34,6 +34,32 @@ def _listening(pid: int) -> list[str]:
     return sorted({c.laddr.ip.removeprefix("::ffff:") for c in conns if c.status == "LISTEN"})
 
 
+def _credentials(address: str, name: str, instance: str, auth) -> dict:
+    """Single-use credentials and sealed messages for the attacker, made with a chief's and a worker's session
+    to ``name``: what a peer of the job (or a stranger who somehow got one) could send."""
+    from torchstrategies.strategies.parameter_server.client import RpcClient
+
+    paths = {m: f"/torchstrategies.ps.v1.{m}" for m in ("Worker/Exec", "ParameterServer/CreateOptimizer",
+                                                       "Worker/Stream", "ParameterServer/Stream",
+                                                       "ParameterServer/Push")}
+    out = {}
+    for role in ("chief", "task"):
+        client = RpcClient(address, name, 10.0, auth, role, instance=instance)
+        out[role] = {p: client._credential(p)[0][1] for p in paths.values()}
+        if role == "task":
+            evil = {"closure": b"\x80\x04evil", "defs": b"\x80\x04evil", "cls": b"\x80\x04evil",
+                    "groups": b"\x80\x04evil", "oid": 1}
+            session = client._session
+            out["task_messages"] = {
+                paths["Worker/Stream"]: wire.encode({"op": "exec", **evil},
+                                                    seal=session.sealer(session.next_seq())).hex(),
+                paths["ParameterServer/Stream"]: wire.encode({"op": "create_optimizer", **evil},
+                                                             seal=session.sealer(session.next_seq())).hex(),
+            }
+        client.close()
+    return out
+
+
 def _chief(strategy, pid_dir, marker):
     import datetime
 
@@ -41,7 +67,9 @@ def _chief(strategy, pid_dir, marker):
     import torch.distributed as dist
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server.auth import CHIEF, TASK
+    from torchstrategies.strategies.parameter_server.auth import TASK
+    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.strategies.parameter_server.rendezvous import entry_key
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -61,15 +89,11 @@ def _chief(strategy, pid_dir, marker):
     pids = {n: int(open(os.path.join(pid_dir, n)).read()) for n in ("ps0", "worker0")}
     rss_before = {n: psutil.Process(p).memory_info().rss for n, p in pids.items()}
     targets = {"ps:0": strategy._ps_addresses[0], "worker:0": strategy._control[("worker", 0)].address}
+    instances = {"ps:0": strategy._ps_entries[0][1], "worker:0": strategy._instances[0]}
     auth = strategy._auth
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHSTRATEGIES_PS_SECRET")}
-    spec = {
-        "targets": targets,
-        "marker": marker,
-        "root": ROOT,
-        "token": auth.token(CHIEF),
-        "task_token": auth.token(TASK),
-    }
+    creds = {name: _credentials(address, name, instances[name], auth) for name, address in targets.items()}
+    spec = {"targets": targets, "marker": marker, "root": ROOT, "creds": creds}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "ps_attacks.py"), json.dumps(spec)],
         env=env,
@@ -80,17 +104,19 @@ def _chief(strategy, pid_dir, marker):
     assert proc.returncode == 0, proc.stderr[-3000:]
     attacks = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT ") :])
     # An authenticated message over the size limit is refused by the ps (our own client refuses to send it).
+    push = "/torchstrategies.ps.v1.ParameterServer/Push"
+    task = RpcClient(targets["ps:0"], "ps:0", 10.0, auth, TASK, instance=instances["ps:0"])
     with grpc.insecure_channel(targets["ps:0"], options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
-        big = wire.encode({"oid": 1, "entries": []}, [torch.zeros(LIMIT // 4 + 1024)])
+        big = wire.encode({"oid": 1, "entries": []}, [torch.zeros(LIMIT // 4 + 1024)],
+                          seal=task._session.sealer(task._session.next_seq()))
         try:
-            ch.unary_unary("/torchstrategies.ps.v1.ParameterServer/Push")(
-                big, timeout=10, metadata=(("x-ts-auth", auth.token(TASK)),)
-            )
+            ch.unary_unary(push)(big, timeout=10, metadata=task._credential(push))
             oversized = "OK"
         except grpc.RpcError as exc:
             oversized = exc.code().name
+    task.close()
     # A stranger overwrites worker 0's address in the store: the chief refuses the entry.
-    key = strategy._key("worker", 0)
+    key = entry_key("worker", 0)
     store = dist.TCPStore(
         strategy._cluster_resolver.master_addr,
         strategy._cluster_resolver.master_port,
@@ -201,17 +227,15 @@ def test_wire_rejects_inconsistent_lengths_before_allocating():
         wire.decode(b"TSPS\x01\x00\x00\x00" + len(h).to_bytes(4, "little") + h)
 
 
-def test_job_auth_tokens_signatures_and_missing_credentials(monkeypatch):
+def test_job_auth_signatures_and_missing_credentials(monkeypatch):
     monkeypatch.setenv("TORCHSTRATEGIES_PS_SECRET", SECRET)
     auth = JobAuth.from_env()
-    assert auth.role_of(auth.token("chief")) == "chief" and auth.role_of(auth.token("task")) == "task"
-    assert auth.role_of("") is None and auth.role_of("f" * 64) is None
-    signed = auth.sign("k", "127.0.0.1:5|gen")
-    assert auth.verify("k", signed) == "127.0.0.1:5|gen"
+    signed = auth.sign("k", "127.0.0.1:5|gen|1")
+    assert auth.verify("k", signed) == "127.0.0.1:5|gen|1"
     with pytest.raises(ValueError, match="not signed"):
         auth.verify("other-key", signed)  # an entry moved to another task's key
     with pytest.raises(ValueError, match="not signed"):
-        auth.verify("k", "127.0.0.1:6|gen|" + signed.rsplit("|", 1)[1])
+        auth.verify("k", "127.0.0.1:6|gen|1|" + signed.rsplit("|", 1)[1])
     monkeypatch.setenv("TORCHSTRATEGIES_PS_SECRET", "short")
     with pytest.raises(ValueError, match="at least 16 bytes"):
         JobAuth.from_env()
@@ -219,6 +243,105 @@ def test_job_auth_tokens_signatures_and_missing_credentials(monkeypatch):
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET_FILE", raising=False)
     with pytest.raises(ValueError, match="TORCHSTRATEGIES_PS_SECRET"):
         JobAuth.from_env()
+
+
+def test_handshake_proves_the_secret_and_the_instance_and_credentials_are_single_use():
+    from torchstrategies.strategies.parameter_server.session import (
+        AuthError,
+        SessionTable,
+        client_hello,
+        client_session,
+    )
+
+    secret = SECRET.encode()
+    table = SessionTable(secret, "worker:1|new", max_pending=4)
+    hello, nonce = client_hello("chief")
+    reply = table.handshake(hello)
+    assert len(reply) == 80 and nonce.hex() not in reply.hex()
+    with pytest.raises(AuthError, match="did not prove"):  # an older instance, another task, another job
+        client_session(secret, "worker:1|old", "chief", nonce, reply)
+    with pytest.raises(AuthError, match="did not prove"):
+        client_session(secret, "worker:0|new", "chief", nonce, reply)
+    with pytest.raises(AuthError, match="did not prove"):
+        client_session(b"another job's secret 0123456789", "worker:1|new", "chief", nonce, reply)
+    with pytest.raises(AuthError, match="did not prove"):
+        client_session(secret, "worker:1|new", "task", nonce, reply)  # the role is bound too
+    for bad in (None, "", "chief", "root." + "0" * 64, "chief." + "0" * 63, "chief." + "0" * 64 + "\n"):
+        with pytest.raises(AuthError, match="handshake"):
+            table.handshake(bad)
+    client = client_session(secret, "worker:1|new", "chief", nonce, reply)
+    path = "/torchstrategies.ps.v1.Worker/Exec"
+    credential = client.call_credential(path)
+    assert table.check_call("/torchstrategies.ps.v1.Worker/Setup", credential) is None  # bound to the method
+    server = table.check_call(path, credential)
+    assert server is not None and server.role == "chief"
+    assert table.check_call(path, credential) is None  # used once
+    # Messages: the MAC covers the frame's sequence number and the covered bytes; each is accepted once.
+    seq = client.next_seq()
+    message = wire.encode({"op": "exec", "closure": b"x"}, [torch.ones(2)], seal=client.sealer(seq))
+    assert server.open(message) == (seq, len(message) - 48 - 8)
+    with pytest.raises(AuthError, match="replayed"):
+        server.open(message)
+    tampered = bytearray(wire.encode({"op": "exec", "closure": b"y"}, seal=client.sealer(client.next_seq())))
+    tampered[-2] ^= 1
+    with pytest.raises(AuthError, match="not authenticated"):
+        server.open(bytes(tampered))
+    with pytest.raises(AuthError, match="no.*authentication frame"):
+        server.open(wire.encode({"op": "exec"}))
+    reply_to = client.next_seq()
+    answer = wire.encode({"ok": True}, seal=server.sealer(reply_to, reply=True))
+    assert client.open(answer, reply_to=reply_to)[0] == reply_to
+    with pytest.raises(AuthError, match="arrived for request"):
+        client.open(answer, reply_to=reply_to + 1)  # a reply to another request
+    with pytest.raises(AuthError, match="not authenticated"):
+        server.open(answer)  # a reply is not a request
+    # Strangers' handshakes only push out other pending sessions, never a proven one.
+    for _ in range(10):
+        table.handshake(client_hello("task")[0])
+    assert table.check_call(path, client.call_credential(path)) is server
+
+
+def test_replay_window_accepts_each_sequence_number_once_in_any_order():
+    from torchstrategies.strategies.parameter_server.session import WINDOW, Session
+
+    s = Session(b"i" * 16, b"k" * 32, "task")
+    assert [s.accept(n) for n in (5, 3, 5, 3, 4, 1, 2, 0, -1)] == [True, True, False, False, True, True, True,
+                                                                  False, False]
+    assert s.accept(5 + WINDOW) and not s.accept(5)  # fell out of the window: refused, never re-accepted
+    assert s.accept(6) and not s.accept(6)  # still inside the window
+    assert s.accept(10 * WINDOW) and not s.accept(10 * WINDOW - WINDOW) and s.accept(10 * WINDOW - 1)
+
+
+@pytest.mark.timeout(60)
+def test_rendezvous_refuses_an_entry_older_than_the_tasks_counter_or_one_already_read():
+    import datetime
+
+    import torch.distributed as dist
+    from harness import free_port
+
+    from torchstrategies.errors import UnavailableError
+    from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, entry_key, publish
+
+    auth = JobAuth(SECRET.encode())
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    reader = EntryReader(store, auth)
+    first = publish(store, auth, "worker", 1, "127.0.0.1:1000", "a")
+    assert reader.read("worker", 1) == first and first.seq == 1
+    old = store.get(entry_key("worker", 1))
+    second = publish(store, auth, "worker", 1, "127.0.0.1:2000", "b")  # worker:1 restarted
+    store.set(entry_key("worker", 1), old)                             # a stranger puts the old entry back
+    with pytest.raises(UnavailableError, match="worker:1.*stale"):
+        reader.read("worker", 1)
+    store.set(entry_key("worker", 1), auth.sign(entry_key("worker", 1), "127.0.0.1:2000|b|2"))
+    assert reader.read("worker", 1) == second
+    store.set(entry_key("worker", 1), old)
+    store.set(f"{entry_key('worker', 1).replace('/addr/', '/seq/')}", "1")   # ... and winds the counter back
+    with pytest.raises(UnavailableError, match="stale"):
+        reader.read("worker", 1)                                       # the chief has read entry 2 already
+    store.set(entry_key("worker", 1), "127.0.0.1:9|b|3")
+    with pytest.raises(UnavailableError, match="not signed"):
+        reader.read("worker", 1)
 
 
 def _certs(d, name: str) -> dict[str, str]:
@@ -251,7 +374,8 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     from torchstrategies.errors import UnavailableError
     from torchstrategies.strategies.parameter_server import Server
     from torchstrategies.strategies.parameter_server.auth import CHIEF
-    from torchstrategies.strategies.parameter_server.transport import RpcClient, store_prefix
+    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.strategies.parameter_server.rendezvous import store_prefix
 
     job, stranger = _certs(str(tmp_path), "job"), _certs(str(tmp_path), "stranger")
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)
@@ -262,18 +386,18 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     spec = {"chief": [f"127.0.0.1:{port}"], "ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     resolver = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="ps", task_id=0)
     server = Server(resolver, timeout=5, lease_timeout=30)
-    address = store.get(f"{store_prefix()}/addr/ps/0").decode().split("|")[0]
-    chief = RpcClient(address, "ps:0", 5.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})
+    address, instance = store.get(f"{store_prefix()}/addr/ps/0").decode().split("|")[:2]
+    chief = RpcClient(address, "ps:0", 5.0, JobAuth.from_env(), CHIEF, instance=instance, hello={"op": "hello"})
     assert chief.call({"op": "stats"})[0]["pushes"] == 0          # the job's certificate gets in
     for k, v in stranger.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(UnavailableError):                          # another CA's certificate does not
-        RpcClient(address, "ps:0", 2.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})
+        RpcClient(address, "ps:0", 2.0, JobAuth.from_env(), CHIEF, instance=instance, hello={"op": "hello"})
     for k in stranger:
         monkeypatch.delenv(k)
     monkeypatch.setenv("TORCHSTRATEGIES_PS_SECRET", SECRET)
     with pytest.raises(UnavailableError):                          # nor does plaintext with a secret
-        RpcClient(address, "ps:0", 2.0, JobAuth.from_env(), CHIEF, hello={"op": "hello"})
+        RpcClient(address, "ps:0", 2.0, JobAuth.from_env(), CHIEF, instance=instance, hello={"op": "hello"})
     chief.call({"op": "shutdown"})
     server.join()
     chief.close()

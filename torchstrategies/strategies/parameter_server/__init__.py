@@ -3,9 +3,10 @@
 See docs/parameter_server.md. Layout: ``strategy.py`` (the chief's strategy and scope), ``registry.py``
 (placement, module/optimizer references), ``coordinator.py`` + ``closure_queue.py`` (scheduling, TF's error
 contract), ``remote_value.py``, ``server.py`` (ps/worker tasks), ``ps_service.py`` (a ps's shards and
-optimizers), ``worker_runtime.py`` (pull/compute/push on a worker), ``transport.py`` (gRPC services, one
-channel per pair of tasks, signed TCPStore rendezvous), ``wire.py`` (the versioned message schema),
-``auth.py`` (job secret, mutual TLS, call tokens, signed addresses).
+optimizers), ``worker_runtime.py`` (pull/compute/push on a worker), ``transport.py`` (gRPC services and the
+server side, one channel per pair of tasks), ``client.py`` (the client side), ``rendezvous.py`` (signed, fresh
+addresses in a TCPStore), ``wire.py`` (the versioned message schema), ``auth.py`` (job secret, mutual TLS,
+signatures), ``session.py`` (the handshake and single-use MACs).
 """
 
 from torchstrategies.strategies.parameter_server.coordinator import (

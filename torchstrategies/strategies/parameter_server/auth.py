@@ -1,22 +1,22 @@
-"""Who may talk to a parameter-server job: the job secret, mutual TLS, call tokens and signed addresses.
+"""Who may talk to a parameter-server job: the job secret, mutual TLS and signed rendezvous entries.
 
 Configured by the launch, through the environment of every task (never through the rendezvous store):
 
 * ``TORCHSTRATEGIES_PS_SECRET`` (or ``TORCHSTRATEGIES_PS_SECRET_FILE``, a file holding it): a per-job
-  secret. Every call carries ``x-ts-auth: HMAC-SHA256(secret, "ts-ps/v1/<role>")``; the server interceptor
-  compares it (in constant time) before any byte of the request is parsed. The addresses published in the
-  rendezvous store are signed with it, so whoever can write to the store cannot redirect a task.
+  secret. It never crosses the network: each connection runs a mutual challenge-response on it and every
+  call and message carries a single-use MAC made with the session key it yields (``session.py``). The
+  entries published in the rendezvous store are signed with it (:meth:`JobAuth.sign`), so whoever can write
+  to the store cannot redirect a task.
 * ``TORCHSTRATEGIES_PS_TLS_CERT``, ``TORCHSTRATEGIES_PS_TLS_KEY``, ``TORCHSTRATEGIES_PS_TLS_CA`` (PEM files):
   mutual TLS. Servers require a client certificate signed by the CA; clients check the server's
   (``TORCHSTRATEGIES_PS_TLS_SERVER_NAME`` overrides the name checked, for certificates issued to one name).
 
 One of the two is required. With TLS and no secret, every peer holding a certificate of the CA is trusted
-with every role and addresses are not signed (a redirected address then fails the TLS handshake instead).
+with every role and entries are not signed (a redirected address then fails the TLS handshake instead).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import os
@@ -44,11 +44,6 @@ def with_job_secret(env: dict[str, str]) -> dict[str, str]:
     if not (env.get(_ENV_SECRET) or env.get(_ENV_SECRET_FILE) or env.get(_ENV_TLS[0])):
         env = {**env, _ENV_SECRET: secrets.token_hex(32)}
     return env
-
-
-@functools.lru_cache(maxsize=8)
-def _token(secret: bytes, role: str) -> str:
-    return hmac.new(secret, f"ts-ps/v1/{role}".encode(), hashlib.sha256).hexdigest()
 
 
 def _read(path: str, what: str) -> bytes:
@@ -106,24 +101,6 @@ class JobAuth:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
-
-    # ---- call tokens -----------------------------------------------------------------------------
-    def token(self, role: str) -> str:
-        """The ``x-ts-auth`` value a client of ``role`` sends (empty without a secret)."""
-        if self.secret is None:
-            return ""
-        return _token(self.secret, role)
-
-    def role_of(self, token: str | None) -> str | None:
-        """The role a call's token proves, or None (unauthenticated). With TLS only, every peer is chief."""
-        if self.secret is None:
-            return CHIEF  # the TLS handshake already authenticated the peer
-        if not token:
-            return None
-        for role in (CHIEF, TASK):
-            if hmac.compare_digest(token, self.token(role)):
-                return role
-        return None
 
     # ---- signed rendezvous entries ---------------------------------------------------------------
     def sign(self, key: str, value: str) -> str:

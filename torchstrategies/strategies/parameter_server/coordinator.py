@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
 from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.transport import RemoteError, RpcClient
+from torchstrategies.strategies.parameter_server.transport import RemoteError
 
 __all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerDatasetIterator"]
 
@@ -79,7 +80,8 @@ class _WorkerHandle:
         self.c = coordinator
         self.index = index
         self.client: RpcClient | None = None
-        self.generation: str | None = None
+        self.instance: str | None = None
+        self.refused = ""                   # why the worker's entry was last refused (logged once)
         self.sent: set = set()
         self.pulled_bytes = 0
         self.pushed_bytes = 0
@@ -106,18 +108,22 @@ class _WorkerHandle:
     def _connect(self) -> bool:
         s = self.c.strategy
         try:
-            address, generation = s._server_address("worker", self.index)
-        except Exception:  # noqa: BLE001 - store unreachable: keep trying until stopped
+            address, instance = s._server_address("worker", self.index)
+        except Exception as exc:  # noqa: BLE001 - store unreachable or entry refused: keep trying until stopped
+            if str(exc) != self.refused:
+                self.refused = str(exc)
+                log.warning("worker:%d: %s", self.index, exc)
             return False
-        if generation == self.generation and self.client is not None:
-            return False       # the same (dead) task; wait for it to come back
+        self.refused = ""
+        if instance == self.instance and self.client is not None:
+            return False       # the same (dead) instance; wait for a new one
         try:
-            client = s._connect_worker(self.index, address)
+            client = s._connect_worker(self.index, address, instance)
         except (UnavailableError, DeadlineExceededError, RemoteError):
             return False
-        if self.generation is not None:
+        if self.instance is not None:
             log.warning("worker:%d is back at %s; reconnected", self.index, address)
-        self.client, self.generation, self.sent = client, generation, set()
+        self.client, self.instance, self.sent = client, instance, set()
         self.lost.clear()
         self.c._queue.set_live(self.index, True)
         return True

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from torchstrategies.strategies.parameter_server import wire
-
 __all__ = ["ParameterStore"]
 
 log = logging.getLogger("torchstrategies.parameter_server")
@@ -40,8 +38,12 @@ class ParameterStore:
         self.pushes = 0
 
     # ---- dispatch ------------------------------------------------------------------------------
-    def handle(self, header: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+    def handle(self, header: dict, tensors: list[torch.Tensor], encode) -> tuple[dict, Any]:
+        """Runs one request; ``encode(reply, tensors) -> bytes`` makes this request's whole reply (a pull
+        encodes its values under the lock with it)."""
         op = header["op"]
+        if op == "pull":
+            return self._op_pull(header, encode)
         fn = getattr(self, "_op_" + op, None)
         if fn is None:
             raise ValueError(f"parameter server: unknown request {op!r}")
@@ -76,10 +78,10 @@ class ParameterStore:
             self.version += 1
         return {"version": self.version}, []
 
-    def _op_pull(self, h: dict, tensors: list[torch.Tensor]):
+    def _op_pull(self, h: dict, encode):
         with self.lock:  # encoded here, under the lock: one copy of the values, never a torn one
             values = [self._var(k).detach() for k in h["keys"]]
-            return {}, wire.encode({"ok": True, "version": self.version}, values)
+            return {}, encode({"version": self.version}, values)
 
     def _op_pull_rows(self, h: dict, tensors: list[torch.Tensor]):
         with self.lock:

@@ -2,8 +2,10 @@
 
 A server binds a gRPC port on its own task's address (the host of its entry in the cluster spec, or this
 host's address towards the rendezvous for torchrun's placeholders; never a wildcard unless
-``TORCHSTRATEGIES_PS_HOST`` asks for one), publishes ``host:port`` in the rendezvous store signed with the
-job secret, and answers the chief (and, on a ps, the workers) until the chief shuts the cluster down. The
+``TORCHSTRATEGIES_PS_HOST`` asks for one), draws a random instance id, publishes ``host:port``, the id and
+a sequence number in the rendezvous store signed with the job secret (``rendezvous.py``), and answers the
+chief (and, on a ps, the workers) until the chief shuts the cluster down; in every handshake it proves that
+it holds the secret and is this instance of its task (``session.py``). The
 chief holds a Watch stream to every server and sends a heartbeat every second; a server whose Watch stream
 ends without a shutdown (the chief exited, crashed, or stopped answering keepalive pings) or that hears no
 heartbeat for ``lease_timeout`` seconds stops serving and ``join()`` raises
@@ -22,20 +24,16 @@ Example (the same script runs on every task; torchrun ranks: 0 chief, 1..num_ps 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-import uuid
 from typing import Any
 
 from torchstrategies.errors import UnavailableError
 from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
 from torchstrategies.strategies.parameter_server.ps_service import ParameterStore
-from torchstrategies.strategies.parameter_server.transport import (
-    RpcServer,
-    connect_store,
-    local_address,
-    store_prefix,
-)
+from torchstrategies.strategies.parameter_server.rendezvous import connect_store, local_address, publish
+from torchstrategies.strategies.parameter_server.transport import RpcServer
 
 __all__ = ["Server"]
 
@@ -110,12 +108,12 @@ class Server:
             return
         r = self.cluster_resolver
         self._address = _bind_host(r, self.task_type, self.task_id)
+        self.instance = secrets.token_hex(16)
         services = ("ParameterServer", "Control") if self.task_type == "ps" else ("Worker", "Control")
         self._rpc = RpcServer(self._handle, services, self._address, self.auth,
-                              on_watch_end=self._on_watch_end)
+                              f"{self.task_type}:{self.task_id}|{self.instance}", on_watch_end=self._on_watch_end)
         store = connect_store(r.master_addr, r.master_port, False, r.world_size, self.timeout)
-        key = f"{store_prefix()}/addr/{self.task_type}/{self.task_id}"
-        store.set(key, self.auth.sign(key, f"{self.target}|{uuid.uuid4().hex}"))
+        publish(store, self.auth, self.task_type, self.task_id, self.target, self.instance)
         del store          # only the chief reads the store after this; no connection is left to outlive it
         self._last_contact = time.monotonic()
         log.info("%s:%d serving at %s", self.task_type, self.task_id, self.target)
@@ -149,8 +147,8 @@ class Server:
             self._runtime.close()
 
     # ---- request handling ----------------------------------------------------------------------
-    def _handle(self, role: str, op: str, header: dict, tensors):
-        """Runs one authenticated call (the interceptor already checked ``role`` may call ``op``)."""
+    def _handle(self, role: str, op: str, header: dict, tensors, encode):
+        """Runs one authenticated call (the transport already checked ``role`` may call ``op``)."""
         if role == CHIEF:
             self._chief_seen = True
             self._last_contact = time.monotonic()
@@ -163,10 +161,11 @@ class Server:
             self._done.set()
             return {}, []
         if self.params is not None:
-            return self.params.handle(header, tensors)
+            return self.params.handle(header, tensors, encode)
         return self._runtime.handle(header, tensors)
 
     def _on_watch_end(self, role: str) -> None:
+        """Runs on a gRPC thread when a Watch stream ends: must not block."""
         if role == CHIEF and not self._shutdown_requested:
             self._lose_chief("the chief's Watch stream ended (the chief exited, crashed or stopped "
                              "answering)")

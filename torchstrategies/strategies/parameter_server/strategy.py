@@ -22,13 +22,10 @@ from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
 from torchstrategies.strategies.parameter_server.base import ParameterServerExtended
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.registry import Registry
-from torchstrategies.strategies.parameter_server.transport import (
-    RemoteError,
-    RpcClient,
-    connect_store,
-    store_prefix,
-)
+from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, connect_store, entry_key
+from torchstrategies.strategies.parameter_server.transport import RemoteError
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -111,17 +108,23 @@ class ParameterServerStrategy(Strategy):
         self._cluster_coordinator = None
         self._store = connect_store(cluster_resolver.master_addr, cluster_resolver.master_port, True,
                                     cluster_resolver.world_size, self._timeout)
+        self._entries = EntryReader(self._store, self._auth)
         self._wait_for_tasks()
         self._ps_clients: list[RpcClient] = []
         self._control: dict[tuple[str, int], RpcClient] = {}
+        ps_instances = []
         for i in range(self._num_ps):
-            address, _ = self._server_address("ps", i)
-            self._ps_clients.append(self._hello(address, f"ps:{i}"))
-            self._control[("ps", i)] = self._hello(address, f"ps:{i}", watch=True)
+            address, instance = self._server_address("ps", i)
+            self._ps_clients.append(self._hello(address, f"ps:{i}", instance))
+            self._control[("ps", i)] = self._hello(address, f"ps:{i}", instance, watch=True)
+            ps_instances.append(instance)
         self._ps_addresses = [c.address for c in self._ps_clients]
+        self._ps_entries = [[a, i] for a, i in zip(self._ps_addresses, ps_instances, strict=True)]
+        self._instances: dict[int, str] = {}      # worker index -> instance its control client talks to
         for i in range(self._num_workers):
-            address, _ = self._server_address("worker", i)
-            self._control[("worker", i)] = self._hello(address, f"worker:{i}", watch=True)
+            address, instance = self._server_address("worker", i)
+            self._control[("worker", i)] = self._hello(address, f"worker:{i}", instance, watch=True)
+            self._instances[i] = instance
         self._registry = Registry(self, self._num_ps, self._ps_call, variable_partitioner)
         super().__init__(ParameterServerExtended(self))
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat", daemon=True)
@@ -178,14 +181,11 @@ class ParameterServerStrategy(Strategy):
         return out
 
     # ---- internals -----------------------------------------------------------------------------
-    def _key(self, kind: str, index: int) -> str:
-        return f"{store_prefix()}/addr/{kind}/{index}"
-
     def _wait_for_tasks(self) -> None:
         import datetime
 
-        keys = [self._key("ps", i) for i in range(self._num_ps)]
-        keys += [self._key("worker", i) for i in range(self._num_workers)]
+        keys = [entry_key("ps", i) for i in range(self._num_ps)]
+        keys += [entry_key("worker", i) for i in range(self._num_workers)]
         try:
             self._store.wait(keys, datetime.timedelta(seconds=self._timeout))
         except Exception:  # noqa: BLE001 - find out which ones are missing
@@ -196,25 +196,30 @@ class ParameterServerStrategy(Strategy):
             ) from None
 
     def _server_address(self, kind: str, index: int) -> tuple[str, str]:
-        key = self._key(kind, index)
-        raw = self._store.get(key).decode()
-        try:
-            value = self._auth.verify(key, raw)
-        except ValueError as exc:
-            raise UnavailableError(f"{kind}:{index}: {exc}") from None
-        address, _, generation = value.partition("|")
-        return address, generation
+        """``(address, instance)`` of a task, from its signed rendezvous entry (refused if stale)."""
+        entry = self._entries.read(kind, index)
+        return entry.address, entry.instance
 
-    def _hello(self, address: str, name: str, watch: bool = False, timeout: float | None = None) -> RpcClient:
-        client = RpcClient(address, name, timeout or self._timeout, self._auth, CHIEF, hello={"op": "hello"})
-        if watch:
-            client.watch()
+    def _hello(self, address: str, name: str, instance: str, watch: bool = False,
+               timeout: float | None = None) -> RpcClient:
+        client = RpcClient(address, name, timeout or self._timeout, self._auth, CHIEF, instance=instance,
+                           hello={"op": "hello"})
+        try:
+            if watch:
+                client.watch()
+        except BaseException:
+            client.close()
+            raise
         return client
 
-    def _connect_worker(self, index: int, address: str) -> RpcClient:
-        client = self._hello(address, f"worker:{index}")
-        client.call({"op": "setup", "ps": self._ps_addresses, "worker_index": index,
-                     "num_workers": self._num_workers, "timeout": self._timeout})
+    def _connect_worker(self, index: int, address: str, instance: str) -> RpcClient:
+        client = self._hello(address, f"worker:{index}", instance)
+        try:
+            client.call({"op": "setup", "ps": self._ps_entries, "worker_index": index,
+                         "num_workers": self._num_workers, "timeout": self._timeout})
+        except BaseException:
+            client.close()
+            raise
         return client
 
     def _ps_call(self, ps: int, header: dict, tensors):
@@ -288,13 +293,13 @@ class ParameterServerStrategy(Strategy):
         threading.Thread(target=run, name=f"ps-reconnect-{index}", daemon=True).start()
 
     def _replace_control(self, index: int) -> None:
-        """After a worker died: reconnect the control channel when its task is back (new address)."""
+        """After a worker died: reconnect the control channel when its task is back (a new instance)."""
         try:
-            address, _ = self._server_address("worker", index)
-            old = self._control[("worker", index)]
-            if address != old.address:
-                old.close()
-                self._control[("worker", index)] = self._hello(address, f"worker:{index}", watch=True,
+            address, instance = self._server_address("worker", index)
+            if instance != self._instances[index]:
+                self._control[("worker", index)].close()
+                self._control[("worker", index)] = self._hello(address, f"worker:{index}", instance, watch=True,
                                                                timeout=self._heartbeat_timeout)
+                self._instances[index] = instance
         except Exception:  # noqa: BLE001 - not back yet
             pass

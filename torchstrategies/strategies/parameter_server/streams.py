@@ -4,7 +4,8 @@ A step of a scheduled function makes three calls (the chief's Exec on a worker, 
 each ps it touches). As separate unary calls, each pays gRPC's per-call set-up on both sides: a new HTTP/2
 stream, its metadata, the authentication interceptor, a hand-off to a server thread, the status. On a stream
 that stays open, a request is just one message each way; the stream was authenticated once, when it was
-opened, before the server read any of its messages.
+opened (with a single-use credential, see ``session.py``), before the server read any of its messages, and
+each message carries its own single-use MAC.
 
 * :class:`StreamPool` keeps a client's idle streams; a call takes one (or opens one), sends its request and
   waits for the reply, then gives the stream back. Concurrent calls use different streams, so the
@@ -22,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -239,9 +241,9 @@ _watchdog = Watchdog()
 class StreamPool:
     """A client's open streams to one peer, one per concurrent caller (idle ones are reused)."""
 
-    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]):
+    def __init__(self, channel: grpc.Channel, metadata: Callable[[str], tuple[tuple[str, str], ...]]):
         self._channel = channel
-        self._metadata = metadata
+        self._metadata = metadata  # path -> the metadata that opens a stream of it (a fresh credential)
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Stream]] = {}
         self._busy: set[_Stream] = set()
@@ -260,7 +262,7 @@ class StreamPool:
             if self._closed:
                 raise ValueError("the stream pool is closed")
             idle = self._idle.get(path)
-            stream = idle.pop() if idle else open_stream(self._channel, path, self._metadata)
+            stream = idle.pop() if idle else open_stream(self._channel, path, self._metadata(path))
             self._busy.add(stream)
         watched = timeout is not None or abort is not None
         token = _watchdog.watch(stream, timeout, abort) if watched else -1

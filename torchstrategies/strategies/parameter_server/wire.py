@@ -1,6 +1,7 @@
 """The parameter server's message schema: a small, versioned, explicit binary format (no pickle).
 
-Every gRPC request and reply body of the ps, worker and control services is one message::
+Every gRPC request and reply body of the ps, worker and control services is a 48-byte authentication frame
+(``session.py``: a sequence number, the length of the part it covers, a MAC) followed by one message::
 
     offset 0   b"TSPS"             magic
     offset 4   u16 version         (VERSION; a reader rejects any other)
@@ -16,7 +17,7 @@ Why this and not protobuf messages: the headers differ per request (a push lists
 exec carries blobs) and are a few hundred bytes, while the tensors are most of the bytes; a protobuf
 ``bytes`` field would copy each tensor once more, and the generated classes would add a codegen step for
 no extra checking. The gRPC methods use generic handlers that hand us the raw request bytes, so nothing is
-parsed before the authentication check (see ``auth.py``), and :func:`decode` checks every length against
+parsed before the authentication checks (see ``session.py``), and :func:`decode` checks every length against
 the bytes actually received (already bounded by gRPC's ``max_receive_message_length``) before it slices or
 allocates anything. JSON parsing never runs code; dtypes come from an allow-list.
 """
@@ -27,6 +28,7 @@ import functools
 import json
 import struct
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,8 +85,16 @@ def _to_bytes(t: torch.Tensor) -> Any:
     return t.numpy()  # a C-contiguous array: b"".join reads its raw bytes
 
 
-def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> bytes:
-    """One message: ``header`` (JSON types, bytes and tuples allowed) and ``tensors`` as raw bytes."""
+def encode(
+    header: dict[str, Any],
+    tensors: list[torch.Tensor] | None = None,
+    seal: Callable[[bytes], bytes] | None = None,
+) -> bytes:
+    """One message: ``header`` (JSON types, bytes and tuples allowed) and ``tensors`` as raw bytes.
+
+    ``seal(covered) -> frame``: the message starts with ``frame``, computed over ``covered`` (the preamble,
+    the header and the blobs: everything but the tensor bytes), see ``session.py``.
+    """
     blobs: list[bytes] = []
 
     def blob(x: Any) -> Any:  # json calls this for what it cannot encode itself
@@ -108,6 +118,9 @@ def encode(header: dict[str, Any], tensors: list[torch.Tensor] | None = None) ->
     tail = _dumps({"_blobs": [len(b) for b in blobs], "_tensors": metas})
     head = (text[:-1] + "," + tail[1:] if len(header) else tail).encode()
     parts: list[Any] = [_FIXED.pack(_MAGIC, VERSION, 0, len(head)), head, *blobs]
+    if seal is not None:
+        covered = b"".join(parts)
+        parts = [seal(covered), covered]
     parts.extend(_to_bytes(t) for t in tensors)
     return b"".join(parts)
 
@@ -121,8 +134,12 @@ def _nbytes(dtype: torch.dtype, shape: list[Any]) -> int:
     return n * dtype.itemsize
 
 
-def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Parses a message; every length is checked against ``len(data)`` before anything is sliced.
+def decode(
+    data: bytes, copy: bool = True, offset: int = 0, covered: int | None = None
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Parses the message at ``data[offset:]``; every length is checked against the bytes received before
+    anything is sliced. ``covered``: the message's first ``covered`` bytes were authenticated (its frame,
+    see ``session.py``); the preamble, header and blobs must then end exactly there.
 
     ``copy=False`` makes the tensors views of ``data`` itself (no copy): for requests a server only reads
     (a ps copies assigned values into its shards and reads pushed gradients). Such tensors must not be
@@ -131,14 +148,15 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
     Raises:
         WireError: the message does not follow the schema.
     """
-    if len(data) < _FIXED.size:
-        raise WireError(f"message of {len(data)} bytes is shorter than the {_FIXED.size}-byte preamble")
-    magic, version, _, hlen = _FIXED.unpack_from(data, 0)
+    size = len(data) - offset
+    if size < _FIXED.size:
+        raise WireError(f"message of {size} bytes is shorter than the {_FIXED.size}-byte preamble")
+    magic, version, _, hlen = _FIXED.unpack_from(data, offset)
     if magic != _MAGIC:
         raise WireError(f"not a torchstrategies ps message (magic {magic!r})")
     if version != VERSION:
         raise WireError(f"message schema version {version}, this build speaks version {VERSION}")
-    pos = _FIXED.size
+    pos = offset + _FIXED.size
     if hlen > len(data) - pos:
         raise WireError(f"header length {hlen} exceeds the {len(data) - pos} bytes received")
     raw_header = bytes(memoryview(data)[pos : pos + hlen])
@@ -166,6 +184,11 @@ def decode(data: bytes, copy: bool = True) -> tuple[dict[str, Any], list[torch.T
             raise WireError(f"bad tensor description {meta!r}")
         dtypes.append((_DTYPES[meta[0]], meta[1]))
     tensor_sizes = [_nbytes(d, s) for d, s in dtypes]
+    if covered is not None and pos + sum(sizes) != offset + covered:
+        raise WireError(
+            f"the authenticated part of the message ({covered} bytes) does not end where its header and "
+            f"blobs end ({pos + sum(sizes) - offset} bytes)"
+        )
     if sum(sizes) + sum(tensor_sizes) != len(data) - pos:
         raise WireError(
             f"lengths in the header ({sum(sizes) + sum(tensor_sizes)} bytes) do not match the "

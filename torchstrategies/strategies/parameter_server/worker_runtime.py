@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from torchstrategies.errors import CancelledError, UnavailableError
 from torchstrategies.strategies.parameter_server.auth import TASK
+from torchstrategies.strategies.parameter_server.client import RpcClient
 from torchstrategies.strategies.parameter_server.specs import VarSpec, split_rows
-from torchstrategies.strategies.parameter_server.transport import RemoteError, RpcClient, call_abandoned
+from torchstrategies.strategies.parameter_server.transport import RemoteError, call_abandoned
 
 __all__ = ["WorkerRuntime", "WorkerOptimizer", "WorkerInputContext"]
 
@@ -189,7 +190,7 @@ class WorkerRuntime:
         self.worker_index = server.task_id
         self.num_workers = 1
         self.timeout = server.timeout
-        self.ps_addresses: list[str] = []
+        self.ps_addresses: list[tuple[str, str]] = []  # (address, instance) per ps, from the chief
         self._clients: dict[int, RpcClient] = {}
         self._clients_lock = threading.Lock()
         self.specs: dict[int, VarSpec] = {}
@@ -214,7 +215,7 @@ class WorkerRuntime:
     def handle(self, header: dict, tensors) -> tuple[dict, list]:
         op = header["op"]
         if op == "setup":
-            self.ps_addresses = list(header["ps"])
+            self.ps_addresses = [(str(a), str(i)) for a, i in header["ps"]]
             self.worker_index = header["worker_index"]
             self.num_workers = header["num_workers"]
             self.timeout = header.get("timeout", self.timeout)
@@ -323,7 +324,8 @@ class WorkerRuntime:
                     raise UnavailableError(f"ps:{ps} is unavailable (an earlier request failed)")
                 if ps >= len(self.ps_addresses):
                     raise UnavailableError(f"worker {self.worker_index} was not told where ps:{ps} is")
-                c = RpcClient(self.ps_addresses[ps], f"ps:{ps}", self.timeout, self.server.auth, TASK,
+                address, instance = self.ps_addresses[ps]
+                c = RpcClient(address, f"ps:{ps}", self.timeout, self.server.auth, TASK, instance=instance,
                               hello={"op": "hello"})
                 self._clients[ps] = c
             return c
