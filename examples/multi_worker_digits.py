@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fast", action="store_true", help="a few seconds: fewer epochs")
     p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch size (all workers together)")
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--implementation", default="AUTO", help="gradient all-reduce: AUTO, SHM, RING, TREE, GLOO")
+    p.add_argument("--implementation", default="AUTO", help="how workers talk: AUTO, SHM, RING, HIERARCHICAL, GLOO")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     epochs = min(args.epochs, 10) if args.fast else args.epochs

@@ -243,3 +243,19 @@ def peer_dies_or_freezes(rank: int, world: int, impl: str, how: str, victim: int
     if how == "stop" and rank == survivors[0]:
         os.kill(pids[victim], signal.SIGKILL)
     return result
+
+
+def group_timeouts(rank: int, world: int) -> dict:
+    """The timeout the collectives read for groups on the backend: a group's own, and the world's for a new
+    group made without one (``collectives.new_group``)."""
+    import torchstrategies as ts
+    from torchstrategies import collectives
+    from torchstrategies.collectives import topology
+
+    dist.init_process_group("torchstrategies", timeout=timedelta(seconds=23))
+    g = group("SHM", timeout=17.0)
+    made = collectives.new_group(ts.CommunicationOptions())  # no timeout_seconds: the world's
+    out = {"world": topology.group_timeout(None), "group": topology.group_timeout(g),
+           "new_group": topology.group_timeout(made)}
+    dist.destroy_process_group()
+    return out

@@ -250,7 +250,9 @@ def shm_many(rank: int, world: int) -> list[str]:
     from torchstrategies.collectives import CommunicationOptions
 
     opts = CommunicationOptions(implementation="SHM", timeout_seconds=60)
-    per_slot = int(os.environ.get("TORCHSTRATEGIES_SHM_SLOT_BYTES", 4 << 20)) // 8  # float64 elements per chunk
+    from torchstrategies.collectives.backend import shm_slot_bytes
+
+    per_slot = shm_slot_bytes() // 8  # float64 elements per chunk
     cases = [
         [0, 1, 7, 0, 4097],                                    # 16 KiB in all: the one-shot path
         [1000, 0, 20000, 3, 50001],                            # chunked, one chunk, pieces split by slices

@@ -44,6 +44,14 @@ def test_ddp_on_the_backend_trains_bitwise_like_ddp_on_gloo(impl):
         assert out == {"bitwise": True, "moved": True}
 
 
+@pytest.mark.timeout(60)
+def test_the_collectives_read_the_timeout_a_group_on_the_backend_was_made_with():
+    # torch's Python binding shows no options of a custom backend: reading them used to give 1800 s, so a
+    # collectives call (and a group made from the world's timeout) waited 30 minutes for a frozen peer
+    for out in run_ranks(B.group_timeouts, 2, timeout=50, init_process_group=False):
+        assert out == {"world": 23.0, "group": 17.0, "new_group": 23.0}
+
+
 @pytest.mark.timeout(120)
 def test_fsdp2_fully_shard_on_the_backend_trains_like_ddp():
     for out in run_ranks(B.fsdp2_matches_ddp, 2, timeout=110, init_process_group=False):

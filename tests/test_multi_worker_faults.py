@@ -62,6 +62,58 @@ def test_a_hung_worker_raises_deadline_exceeded_naming_it():
     assert step == 3, step  # within the timeout of the first step after the freeze
 
 
+def _frozen_store_host_body(rank, world, impl, timeout_s):
+    import time
+
+    import torch.distributed as dist
+
+    from torchstrategies import CommunicationOptions
+    from torchstrategies.errors import DeadlineExceededError, UnavailableError
+    from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+
+    # The harness initialized the default group as a user would: rank 0 hosts its store (60 s timeout).
+    strategy = MultiWorkerMirroredStrategy(CommunicationOptions(implementation=impl, timeout_seconds=timeout_s))
+    with strategy.scope():
+        model = torch.nn.Linear(32, 4)
+    x = torch.randn(8, 32)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    t0 = time.monotonic()
+    for step in range(1000):
+        if step == 3:
+            if rank == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: the store it hosts answers nothing
+                time.sleep(120)
+            t0 = time.monotonic()
+        try:
+            model(x).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        except (UnavailableError, DeadlineExceededError) as exc:
+            took = time.monotonic() - t0
+            os.kill(pids[0], signal.SIGKILL)  # clean up the frozen rank 0
+            return type(exc).__name__, str(exc), step, took
+    return "no error", "", 1000, 0.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", ["AUTO", "GLOO"])
+def test_a_frozen_rank_0_hosting_the_store_ends_training_on_the_other_worker_with_a_named_error(impl):
+    # Issue 27 item 4 on the strategy's side: the error path reads the heartbeats from the store that the
+    # frozen rank 0 hosts; each read is bounded (2 s), so the survivor raises within timeout_seconds + 5.5 s
+    # (docs/multi_worker.md, Faults) instead of waiting for the store's own timeout (60 s here).
+    timeout_s = 5.0
+    results = run_ranks(_frozen_store_host_body, 2, args=(impl, timeout_s), timeout=50, pg_timeout=60,
+                        expect_failure=[0])
+    kind, message, step, took = results[1]
+    assert kind == "DeadlineExceededError", (kind, message)
+    assert "rank 0" in message or "[0]" in message, message  # names the frozen rank
+    assert step == 3, step  # the first step after the freeze failed
+    assert took < 2 * timeout_s + 10, took  # the stated bound, with room for a loaded machine
+
+
 def _shutdown_body(rank, world):
     import gc
     import weakref

@@ -227,11 +227,9 @@ def test_uneven_data_per_worker_ends_every_worker_with_a_named_mismatch_error(tm
     backend_file = str(tmp_path / "backend")
     res = run_ranks(_uneven_data, 2, args=(backend_file,), init_process_group=False, timeout=110,
                     expect_failure=[0, 1])  # ends, one way or another, within the timeout: never a hang
-    if open(backend_file).read() == "gloo":
-        # gloo itself aborts a process on a size mismatch ("Is there a distributed collective mismatch in
-        # your code?"); the survivor gets a named error.
-        pytest.xfail("the call check that names a mismatch is the torchstrategies backend's (issue 26 part 1); "
-                     f"the stand-in gloo group has none: {res}")
+    # The default strategy runs on our backend, whose call check names the mismatch (gloo has none: it
+    # aborts a process on a size mismatch).
+    assert open(backend_file).read() == "torchstrategies"
     for rank, r in enumerate(res):
         assert isinstance(r, tuple), (rank, r)
         kind, msg = r

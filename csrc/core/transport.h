@@ -79,7 +79,7 @@ struct Config {
   Impl impl = Impl::kAuto;
   std::string host_id;    // TORCHSTRATEGIES_HOST_ID, else the hostname
   std::string ring_addr;  // the numeric address this rank's ring listens on
-  size_t slot_bytes = 4 << 20;
+  size_t slot_bytes = 1 << 20;  // collectives/backend.py's SHM_SLOT_BYTES
   int64_t ring_small_bytes = 64 << 10;
   int64_t ring_chunk_bytes = 256 << 10;
   int64_t ring_socket_bytes = 0;

@@ -146,11 +146,15 @@ c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, std::vector<at::Tens
   // A call the caller waits for at once (async_op=False), with nothing queued before it, runs on the
   // caller's thread: the same order, without handing it to the worker and waking the caller up again.
   run(item);
+  bool queued;
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = false;
+    queued = !queue_.empty();
   }
-  cv_.notify_all();
+  // Only the worker waits on cv_, and only for queued items: waking it for nothing would cost a context
+  // switch per call, on a core another rank may need.
+  if (queued) cv_.notify_one();
   return work;
 }
 
@@ -179,11 +183,8 @@ void Backend::loop() {
       busy_ = true;
     }
     run(item);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-    }
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;  // the loop looks at the queue again itself: nobody else waits on cv_
   }
 }
 

@@ -108,6 +108,7 @@ class Backend final : public c10d::Backend {
   // For torchstrategies.collectives: the plan in words, and a zero-copy shared-memory buffer.
   std::string plan_name() const { return core::plan_name(transport_->plan()); }
   int num_hosts() const { return transport_->num_hosts(); }
+  double timeout_s() const { return timeout_s_; }
   at::Tensor buffer(int64_t numel, at::ScalarType dtype);
 
  private:

@@ -1,6 +1,6 @@
 // pybind11 glue for the "torchstrategies" c10d backend: the factory the Python creator calls (registered with
-// torch.distributed.Backend.register_backend in torchstrategies/collectives/backend.py), and two extras for
-// torchstrategies.collectives (the plan, a zero-copy buffer).
+// torch.distributed.Backend.register_backend in torchstrategies/collectives/backend.py), and extras for
+// torchstrategies.collectives (the plan, the timeout, a zero-copy buffer).
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/extension.h>
 
@@ -71,6 +71,9 @@ void init_backend_bindings(py::module_& m) {
   m.def(
       "backend_plan", [](c10d::Backend& b) { return py::make_tuple(ours(b).plan_name(), ours(b).num_hosts()); },
       py::arg("backend"), "(plan name, number of hosts) of a torchstrategies backend.");
+  m.def(
+      "backend_timeout", [](c10d::Backend& b) { return ours(b).timeout_s(); }, py::arg("backend"),
+      "The timeout, in seconds, of a torchstrategies backend (torch's Python binding does not show it).");
   m.def(
       "backend_buffer",
       [](c10d::Backend& b, int64_t numel, const at::Tensor& like) {

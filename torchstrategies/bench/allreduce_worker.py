@@ -41,6 +41,7 @@ from torchstrategies._ext import _C
 from torchstrategies.bench.loopback import LoopbackRing, ring_bytes
 from torchstrategies.bench.report import median
 from torchstrategies.collectives import topology
+from torchstrategies.collectives.backend import shm_slot_bytes  # the backend's slots: the same algorithm
 
 ROOFLINE = "loopback-roofline"
 SHM_IMPLS = ("shm", "shm-comm", "shm-zero-copy")
@@ -88,11 +89,11 @@ def _shm_comm() -> object:
         store = dist.distributed_c10d._get_default_store()
         if rank == 0:
             name = f"/torchstrat_bench_{os.getpid()}"
-            comm = _C.ShmComm(name, 0, world, 4 << 20, True)
+            comm = _C.ShmComm(name, 0, world, shm_slot_bytes(), True)
             store.set("bench/shm", name)
         else:
             store.wait(["bench/shm"], timedelta(seconds=60))
-            comm = _C.ShmComm(store.get("bench/shm").decode(), rank, world, 4 << 20, False)
+            comm = _C.ShmComm(store.get("bench/shm").decode(), rank, world, shm_slot_bytes(), False)
         comm.attach(60.0)  # rank 0 unlinks the name once every rank has mapped it
         _SHM_COMM.append(comm)
     return _SHM_COMM[0]

@@ -24,7 +24,7 @@ from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["from_backend_error", "agree_on_first_use", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
            "SUPPORTED_DTYPES", "DTYPE_CODES", "OP_CODES", "report_fault", "reported_fault", "diagnose",
-           "remember_peers", "host_hash"]
+           "remember_peers", "host_hash", "bounded_store_call", "STORE_SECONDS"]
 
 # The reduce-op codes every SHM communicator call takes and call descriptors compare: exported from C++.
 OP_CODES: dict[ReduceOp, int] = {op: int(_C.REDUCE_OP_CODES[op.name]) for op in ReduceOp}
@@ -170,23 +170,40 @@ def wait_work(work: Any, timeout: float, what: str, group_desc: str, peers: list
         raise deadline_error(what, group_desc, timeout, peers, "wait returned False")
 
 
-_STORE_SECONDS = 2.0  # bound on one store call on an error path (a frozen store host must not hang it)
+STORE_SECONDS = 2.0  # bound on one store call on an error path (a frozen store host must not hang it)
 
 
-def _bounded(call: Any, seconds: float = _STORE_SECONDS) -> Any:
-    """Runs a store call on a daemon thread and waits at most ``seconds``; None if it did not answer."""
+def bounded_store_call(call: Any, seconds: float = STORE_SECONDS) -> Any:
+    """Runs a store call on a daemon thread and waits at most ``seconds`` for it.
+
+    Returns its result, re-raises its exception, or raises TimeoutError when it did not answer in time (a
+    frozen store host: the connection stays open and nothing comes back; the thread is left behind, blocked).
+    """
     box: list[Any] = []
 
     def run() -> None:
         try:
-            box.append(call())
-        except Exception:  # noqa: BLE001 - an unanswered or failed store call is "unknown"
-            pass
+            box.append((True, call()))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            box.append((False, exc))
 
     t = threading.Thread(target=run, daemon=True, name="torchstrategies-store")
     t.start()
     t.join(seconds)
-    return box[0] if box else None
+    if not box:
+        raise TimeoutError(f"the rendezvous store did not answer within {seconds:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _bounded(call: Any, seconds: float = STORE_SECONDS) -> Any:
+    """A bounded store call whose failure or silence means "unknown": its result, else None."""
+    try:
+        return bounded_store_call(call, seconds)
+    except Exception:  # noqa: BLE001 - an unanswered or failed store call is "unknown"
+        return None
 
 
 def agree_on_first_use(group: Any) -> bool:

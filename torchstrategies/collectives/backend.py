@@ -20,7 +20,7 @@ set-up checks, naming the variable, on every rank):
 * ``TORCHSTRATEGIES_HOST_ID``: this rank's host identity (default: the hostname); tests simulate hosts with it.
 * ``TORCHSTRATEGIES_RING_ADDR``: the address the ring listens on (default: the source address of the route
   to ``MASTER_ADDR``; never a wildcard).
-* ``TORCHSTRATEGIES_SHM_SLOT_BYTES`` * (4 MiB), ``TORCHSTRATEGIES_RING_SMALL_BYTES`` * (64 KiB),
+* ``TORCHSTRATEGIES_SHM_SLOT_BYTES`` * (1 MiB), ``TORCHSTRATEGIES_RING_SMALL_BYTES`` * (64 KiB),
   ``TORCHSTRATEGIES_RING_CHUNK_BYTES`` * (256 KiB), ``TORCHSTRATEGIES_DEBUG`` *;
   per rank: ``TORCHSTRATEGIES_RING_SOCKET_BYTES``, ``TORCHSTRATEGIES_RING_THREAD_BYTES``,
   ``TORCHSTRATEGIES_SHM_SPIN_US`` (docs/collectives.md).
@@ -40,12 +40,16 @@ from torchstrategies.collectives import topology
 from torchstrategies.collectives._common import from_backend_error
 from torchstrategies.collectives.options import CommunicationImplementation as Impl
 
-__all__ = ["BACKEND", "BackendOptions", "register", "bind_address", "IMPLEMENTATIONS"]
+__all__ = ["BACKEND", "BackendOptions", "register", "bind_address", "IMPLEMENTATIONS", "shm_slot_bytes"]
 
 BACKEND = "torchstrategies"
 # The implementations the backend runs (GLOO and NCCL are torch's own backends; TREE was removed).
 IMPLEMENTATIONS = (Impl.AUTO, Impl.SHM, Impl.RING, Impl.HIERARCHICAL)
 _CODES = {Impl.AUTO: 0, Impl.SHM: 1, Impl.RING: 2, Impl.HIERARCHICAL: 3}
+# Each rank's shared-memory staging slot (x2, double buffered), i.e. the chunk a large all-reduce moves per
+# round: small enough that a chunk's slices stay in a core's L2 between the copy in, the reduction and the
+# copy out (was 4 MiB; the comparison to re-measure is in docs/collectives.md, Benchmark).
+SHM_SLOT_BYTES = 1 << 20
 
 
 def _int_env(name: str, default: int) -> int:
@@ -137,9 +141,14 @@ def _create(dist_opts: Any, pg_options: Any) -> Any:
     return make(dist_opts.store, rank, size, timeout, ranks, f"{name} (global ranks {ranks})", impl)
 
 
+def shm_slot_bytes() -> int:
+    """The staging-slot size in bytes: ``TORCHSTRATEGIES_SHM_SLOT_BYTES``, else :data:`SHM_SLOT_BYTES`."""
+    return _int_env("TORCHSTRATEGIES_SHM_SLOT_BYTES", SHM_SLOT_BYTES)
+
+
 def make(store: Any, rank: int, size: int, timeout: float, global_ranks: list[int], desc: str, impl: Impl) -> Any:
     """A torchstrategies c10d backend on ``store`` (collective over the group's ranks)."""
-    slot = _int_env("TORCHSTRATEGIES_SHM_SLOT_BYTES", 4 << 20)
+    slot = shm_slot_bytes()
     small = _int_env("TORCHSTRATEGIES_RING_SMALL_BYTES", 64 << 10)
     chunk = _int_env("TORCHSTRATEGIES_RING_CHUNK_BYTES", 256 << 10)
     settings = [

@@ -111,8 +111,16 @@ def group_timeout(group: Any) -> float:
     return t
 
 
+def _ours_timeout(g: Any) -> Any:
+    from torchstrategies._ext import _C
+
+    b = g._get_backend(__import__("torch").device("cpu"))
+    return timedelta(seconds=_C.backend_timeout(b)) if _C.is_torchstrategies_backend(b) else None
+
+
 def _read_timeout(g: Any) -> float:
     for get in (
+        lambda: _ours_timeout(g),  # a group on our backend (its Python binding shows no options)
         lambda: g._get_backend(__import__("torch").device("cpu")).options._timeout,
         lambda: g.options._timeout,  # older torch
         lambda: dist.distributed_c10d._get_default_group().options._timeout,  # type: ignore[attr-defined]

@@ -21,13 +21,13 @@ Example (under torchrun):
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torchstrategies import collectives
 from torchstrategies.collectives import CommunicationImplementation, CommunicationOptions
 from torchstrategies.collectives.packing import make_packs
 from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, _place
@@ -43,23 +43,12 @@ _DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, R
 def _make_group(options: CommunicationOptions) -> dist.ProcessGroup:
     """THE one function that makes the process group a MultiWorkerMirroredStrategy talks through.
 
-    A collective call (every rank of the default group calls it, in the same order). Stand-in until the
-    ``"torchstrategies"`` backend lands: a gloo group (nccl for NCCL; AUTO on a CUDA machine gives CUDA
-    tensors to nccl). At that point this body becomes ``return collectives.new_group(options)``, which maps
-    AUTO/SHM/RING/HIERARCHICAL to a group on our backend, GLOO to gloo and NCCL to nccl; nothing else in the
-    strategy changes.
+    A collective call (every rank of the default group calls it, in the same order):
+    ``collectives.new_group`` maps AUTO/SHM/RING/HIERARCHICAL to a group on the ``"torchstrategies"`` backend
+    (AUTO on a CUDA machine: ``"cpu:torchstrategies,cuda:nccl"``), GLOO to gloo and NCCL to nccl;
+    ``timeout_seconds`` (None: the default group's) bounds every collective of the group.
     """
-    timeout = None
-    if options.timeout_seconds is not None:
-        timeout = datetime.timedelta(seconds=float(options.timeout_seconds))
-    impl = options.implementation
-    if impl is CommunicationImplementation.NCCL:
-        backend = "nccl"
-    elif impl is CommunicationImplementation.AUTO and torch.cuda.is_available():
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    return dist.new_group(backend=backend, timeout=timeout)
+    return collectives.new_group(options)
 
 
 class CollectiveAllReduce(CrossDeviceOps):

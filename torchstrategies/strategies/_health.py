@@ -1,9 +1,15 @@
 """Heartbeats through the rendezvous store, so a failed collective can name the rank that died or hung.
 
 Every rank runs a daemon thread that writes ``<prefix>/<rank> = "<beat> <collective seq>"`` every
-``interval`` seconds. When a collective fails or times out, :meth:`HealthMonitor.diagnose` reads every
-rank's beat twice, ``grace`` seconds apart: a rank whose beat did not advance is dead or frozen; a rank that
-is alive but whose collective sequence number is behind ours had not arrived at the collective.
+``interval`` seconds. When a collective fails or times out, :meth:`HealthMonitor.diagnose` first keeps an
+error the ``"torchstrategies"`` backend already named (``collectives.from_backend_error``: it knows the
+ranks, from its own transport); for any other (gloo, NCCL) it reads every rank's beat twice, ``grace``
+seconds apart: a rank whose beat did not advance is dead or frozen; a rank that is alive but whose
+collective sequence number is behind ours had not arrived at the collective.
+
+Bound: each read of the beats waits at most ``store_seconds`` (2 s) for the store, so a frozen store host
+(rank 0 when it hosts the store) cannot hang the error path: diagnose returns within
+``2 * store_seconds + grace`` (5.5 s with the defaults), after the collective's own timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from torchstrategies.collectives import from_backend_error
+from torchstrategies.collectives._common import STORE_SECONDS, bounded_store_call
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
 __all__ = ["HealthMonitor"]
@@ -25,8 +33,9 @@ class HealthMonitor:
     """Heartbeat writer and post-mortem reader for one rank."""
 
     def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "torchstrategies/mwms/hb",
-                 interval: float = 0.25):
+                 interval: float = 0.25, store_seconds: float = STORE_SECONDS):
         self.store = store
+        self.store_seconds = store_seconds  # bound on each read of the beats on the error path
         self.rank = rank
         self.world_size = world_size
         self.prefix = prefix
@@ -61,17 +70,24 @@ class HealthMonitor:
             self._thread = None
 
     def _read_all(self) -> dict[int, tuple[int, int]]:
-        out = {}
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            key = self._key(r)
-            if not self.store.check([key]):
-                out[r] = (-1, -1)
-                continue
-            beat, seq = self.store.get(key).decode().split()
-            out[r] = (int(beat), int(seq))
-        return out
+        """Every other rank's (beat, seq); (-1, -1) if it never wrote one. TimeoutError: the store did not
+        answer within ``store_seconds`` (its host is frozen)."""
+
+        def read() -> dict[int, tuple[int, int]]:
+            out = {}
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                key = self._key(r)
+                if not self.store.check([key]):
+                    out[r] = (-1, -1)
+                    continue
+                beat, seq = self.store.get(key).decode().split()
+                out[r] = (int(beat), int(seq))
+            return out
+
+        result: dict[int, tuple[int, int]] = bounded_store_call(read, self.store_seconds)
+        return result
 
     def suspects(self, grace: float | None = None) -> tuple[list[int], list[int]]:
         """(ranks whose heartbeat stopped, live ranks behind our collective sequence number)."""
@@ -84,11 +100,24 @@ class HealthMonitor:
         return dead, behind
 
     def diagnose(self, exc: BaseException, what: str) -> Exception:
-        """Turns a failed collective's exception into UnavailableError / DeadlineExceededError naming ranks."""
+        """Turns a failed collective's exception into the named error to raise.
+
+        An error of the ``"torchstrategies"`` backend is already named (``collectives.from_backend_error``)
+        and returned as such; any other becomes UnavailableError / DeadlineExceededError naming the ranks
+        whose heartbeat stopped or that had not arrived. Returns within ``2 * store_seconds + grace``.
+        """
+        named = from_backend_error(exc)
+        if named is not exc and isinstance(named, Exception):
+            return named
         text = str(exc)
         timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS)
         try:
             dead, behind = self.suspects()
+        except TimeoutError as store_exc:
+            return DeadlineExceededError(
+                f"{what} failed on rank {self.rank} and the rendezvous store does not answer ({store_exc}): "
+                f"the process hosting it (rank 0 unless torchrun's agent hosts it) is frozen. Cause: {text}"
+            )
         except Exception as store_exc:  # noqa: BLE001
             return UnavailableError(
                 f"{what} failed on rank {self.rank} and the rendezvous store is unreachable ({store_exc}); "
