@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+from _ps_bodies import counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -60,18 +61,9 @@ def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, h
         strategy.shutdown()
 
 
-def _counter_model(strategy):
-    with strategy.scope():
-        model = torch.nn.Linear(1, 1, bias=False)
-        with torch.no_grad():
-            model.weight.zero_()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    return model, opt
-
-
 def _worker_dies_mid_closure(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt = _counter_model(strategy)
+    model, opt, _ = counter_model(strategy)
 
     def step(i):
         time.sleep(0.2)
@@ -89,7 +81,7 @@ def _worker_dies_mid_closure(strategy, pid_dir):
 
 def _ps_dies(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt = _counter_model(strategy)
+    model, opt, _ = counter_model(strategy)
 
     def step():
         time.sleep(0.05)
@@ -159,7 +151,7 @@ def test_killed_ps_makes_join_schedule_done_raise_unavailable(worker_then_ps):
 
 def _chief_crashes(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt = _counter_model(strategy)
+    model, opt, _ = counter_model(strategy)
     coordinator.schedule(lambda: 1).fetch()
     os.kill(os.getpid(), signal.SIGKILL)             # kill -9: no shutdown, no atexit
 
@@ -194,7 +186,7 @@ def _pid(pid_dir, name):
 
 def _frozen_worker_then_frozen_ps(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt = _counter_model(strategy)
+    model, opt, _ = counter_model(strategy)
 
     def step(i):
         time.sleep(0.2)

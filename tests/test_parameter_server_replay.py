@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+from _ps_bodies import counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -42,21 +43,6 @@ def _result(text: str) -> dict:
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     assert lines, text[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def _linear(strategy):
-    with strategy.scope():
-        model = torch.nn.Linear(1, 1, bias=False)
-        with torch.no_grad():
-            model.weight.zero_()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-
-    def step():
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
-    return model, step
 
 
 def _serve(resolver):
@@ -89,7 +75,7 @@ def _stale_entry_attack(strategy, marker):
     from torchstrategies.strategies.parameter_server.rendezvous import entry_key
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, step = _linear(strategy)
+    model, _, step = counter_model(strategy)
     for _ in range(2):
         coordinator.schedule(step)
     coordinator.join()
@@ -164,7 +150,7 @@ def test_a_replayed_older_entry_is_refused_and_its_listener_gets_nothing_usable(
 # ---- (b) a passive capture, replayed --------------------------------------------------------------------
 def _capture_then_replay(strategy, capture, runs):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, step = _linear(strategy)
+    model, _, step = counter_model(strategy)
     with strategy.scope():
         counter = ts.Variable(torch.tensor(0.0), name="counter")
 

@@ -17,6 +17,7 @@ import sys
 import psutil
 import pytest
 import torch
+from _ps_bodies import counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -72,17 +73,7 @@ def _chief(strategy, pid_dir, marker):
     from torchstrategies.strategies.parameter_server.rendezvous import entry_key
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        model = torch.nn.Linear(1, 1, bias=False)
-        with torch.no_grad():
-            model.weight.zero_()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-
-    def step():
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
+    model, _, step = counter_model(strategy)
     for _ in range(2):
         coordinator.schedule(step)
     coordinator.join()
