@@ -10,21 +10,24 @@ import os
 import socket
 import threading
 import time
-import weakref
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 from torchstrategies._ext import _C
+from torchstrategies.collectives import topology
+from torchstrategies.collectives.group_state import GroupState
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 from torchstrategies.ops import DTYPE_CODES, FLOAT_DTYPES, SUPPORTED_DTYPES  # the one dtype table (from C++)
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["from_backend_error", "agree_on_first_use", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
+__all__ = ["from_backend_error", "wait_work", "deadline_error", "peer_error", "FLOAT_DTYPES",
            "SUPPORTED_DTYPES", "DTYPE_CODES", "OP_CODES", "report_fault", "reported_fault", "diagnose",
-           "remember_peers", "host_hash", "bounded_store_call", "STORE_SECONDS"]
+           "remember_peers", "host_hash", "bounded_store_call", "STORE_SECONDS", "says_timeout"]
+
+T = TypeVar("T")
 
 # The reduce-op codes every SHM communicator call takes and call descriptors compare: exported from C++.
 OP_CODES: dict[ReduceOp, int] = {op: int(_C.REDUCE_OP_CODES[op.name]) for op in ReduceOp}
@@ -53,28 +56,26 @@ def from_backend_error(exc: BaseException) -> BaseException:
     return exc
 
 
-def deadline_error(what: str, group_desc: str, timeout: float, missing: list[int] | None, cause: Any) -> Exception:
+def deadline_error(what: str, group_desc: str, timeout: float, missing: list[int] | None, cause: object) -> Exception:
     """A peer is late: DeadlineExceededError naming the ranks that did not arrive."""
     who = f"ranks {missing} did not arrive" if missing else "not all ranks arrived"
     return DeadlineExceededError(f"{what} on {group_desc}: {who} within {timeout:g} s ({cause})")
 
 
-def peer_error(what: str, group_desc: str, gone: list[int] | None, cause: Any) -> Exception:
+def peer_error(what: str, group_desc: str, gone: list[int] | None, cause: object) -> Exception:
     """A peer is gone (process died, connection closed): UnavailableError naming it."""
     who = f"ranks {gone} are gone" if gone else "a peer is gone"
     return UnavailableError(f"{what} on {group_desc}: {who} ({cause})")
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, TimeoutError):
-        return True
-    text = str(exc).lower()
+def says_timeout(text: str) -> bool:
+    """Whether an error message from gloo / c10d means "the peer did not answer in time"."""
+    text = text.lower()
     return any(w in text for w in _TIMEOUT_WORDS)
 
 
-# Per group object: every rank's (host identity hash, pid), learnt in the first call check, so that a
-# failure can be pinned on the rank that is really gone (or stopped) among those on this host.
-_peers: weakref.WeakKeyDictionary[Any, list[tuple[int, int]]] = weakref.WeakKeyDictionary()
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or says_timeout(str(exc))
 
 
 def host_hash() -> int:
@@ -83,12 +84,10 @@ def host_hash() -> int:
     return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 
-def remember_peers(group: Any, peers: list[tuple[int, int]]) -> None:
-    """Records (host hash, pid) per group rank of ``group`` (from a successful exchange)."""
-    try:
-        _peers[group] = peers
-    except TypeError:  # a group object without weak references: no diagnosis
-        pass
+def remember_peers(group: dist.ProcessGroup, peers: list[tuple[int, int]]) -> None:
+    """Records (host hash, pid) per group rank of ``group`` (from a successful exchange), so that a later
+    failure can be pinned on the rank that is really gone (or stopped) among those on this host."""
+    GroupState.of(group).peers = peers
 
 
 def _proc_state(pid: int) -> str:
@@ -107,11 +106,9 @@ def _proc_state(pid: int) -> str:
     return "gone" if state in ("Z", "X") else "stopped" if state in ("T", "t") else "running"
 
 
-def diagnose(group: Any) -> tuple[list[int], list[int]]:
+def diagnose(group: dist.ProcessGroup) -> tuple[list[int], list[int]]:
     """(gone, stopped) global ranks of ``group`` among those on this host, from their pids."""
-    from torchstrategies.collectives import topology
-
-    info = _peers.get(group) if group is not None else None
+    info = GroupState.of(group).peers
     if info is None:
         return [], []
     ranks = topology.group_ranks(group)
@@ -128,8 +125,8 @@ def diagnose(group: Any) -> tuple[list[int], list[int]]:
     return gone, stopped
 
 
-def wait_work(work: Any, timeout: float, what: str, group_desc: str, peers: list[int],
-              group: Any = None) -> None:
+def wait_work(work: dist.Work, timeout: float, what: str, group_desc: str, peers: list[int],
+              group: dist.ProcessGroup | None = None) -> None:
     """Waits for a c10d Work with a bound; a timeout names ``peers`` as late, a broken connection as gone.
 
     When ``group`` is given, the rank that is really at fault is named: a rank on this host whose process
@@ -173,32 +170,32 @@ def wait_work(work: Any, timeout: float, what: str, group_desc: str, peers: list
 STORE_SECONDS = 2.0  # bound on one store call on an error path (a frozen store host must not hang it)
 
 
-def bounded_store_call(call: Any, seconds: float = STORE_SECONDS) -> Any:
+def bounded_store_call(call: Callable[[], T], seconds: float = STORE_SECONDS) -> T:
     """Runs a store call on a daemon thread and waits at most ``seconds`` for it.
 
     Returns its result, re-raises its exception, or raises TimeoutError when it did not answer in time (a
     frozen store host: the connection stays open and nothing comes back; the thread is left behind, blocked).
     """
-    box: list[Any] = []
+    box: list[T] = []
+    failed: list[Exception] = []
 
     def run() -> None:
         try:
-            box.append((True, call()))
+            box.append(call())
         except Exception as exc:  # noqa: BLE001 - handed to the caller
-            box.append((False, exc))
+            failed.append(exc)
 
     t = threading.Thread(target=run, daemon=True, name="torchstrategies-store")
     t.start()
     t.join(seconds)
+    if failed:
+        raise failed[0]
     if not box:
         raise TimeoutError(f"the rendezvous store did not answer within {seconds:g} s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+    return box[0]
 
 
-def _bounded(call: Any, seconds: float = STORE_SECONDS) -> Any:
+def _bounded(call: Callable[[], T], seconds: float = STORE_SECONDS) -> T | None:
     """A bounded store call whose failure or silence means "unknown": its result, else None."""
     try:
         return bounded_store_call(call, seconds)
@@ -206,42 +203,11 @@ def _bounded(call: Any, seconds: float = STORE_SECONDS) -> Any:
         return None
 
 
-def agree_on_first_use(group: Any) -> bool:
-    """The first call on a gloo / NCCL group: every rank exchanges (TORCHSTRATEGIES_DEBUG, host, pid).
-
-    Debug mode adds a collective to every call, so ranks that disagree on it would pair different
-    collectives (and gloo aborts the process): a difference raises ValueError on every rank instead, naming
-    the variable. The pids let a later failure name the rank really at fault. Returns the agreed flag.
-    """
-    from torchstrategies.collectives import debug, topology
-
-    flag = debug.enabled()
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    device: Any = "cpu"
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([int(flag), host_hash(), os.getpid()], dtype=torch.int64, device=device)
-    out = torch.zeros((n, 3), dtype=torch.int64, device=device)
-    work = dist.all_gather(list(out.unbind(0)), mine, group=group, async_op=True)
-    ranks = topology.group_ranks(group)
-    wait_work(work, topology.group_timeout(group), "first call (settings check)", topology.describe_group(group),
-              [r for i, r in enumerate(ranks) if i != me])
-    rows = out.cpu().tolist()
-    remember_peers(group, [(int(r[1]), int(r[2])) for r in rows])
-    if len({r[0] for r in rows}) > 1:
-        values = ", ".join(f"rank {ranks[i]}: {'1' if r[0] else 'unset'}" for i, r in enumerate(rows))
-        raise ValueError(f"TORCHSTRATEGIES_DEBUG differs between ranks of {topology.describe_group(group)} "
-                         f"({values}); set the same value on every rank (it is read when a group is first used)")
-    return flag
-
-
-def _fault_key(group: Any) -> str:
-    from torchstrategies.collectives import topology
-
+def _fault_key(group: dist.ProcessGroup) -> str:
     return "torchstrategies/fault/" + "-".join(map(str, topology.group_ranks(group)))
 
 
-def report_fault(group: Any, gone: int) -> None:
+def report_fault(group: dist.ProcessGroup, gone: int) -> None:
     """Records in the c10d store that global rank ``gone`` left ``group`` (best effort)."""
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -251,7 +217,7 @@ def report_fault(group: Any, gone: int) -> None:
     _bounded(lambda: store.set(key, f"{gone}:{dist.get_rank()}"))
 
 
-def reported_fault(group: Any) -> tuple[int, int] | None:
+def reported_fault(group: dist.ProcessGroup) -> tuple[int, int] | None:
     """(gone rank, reporting rank) if a rank of ``group`` reported a gone peer, else None."""
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -261,12 +227,10 @@ def reported_fault(group: Any) -> tuple[int, int] | None:
     if not _bounded(lambda: store.check([key])):
         return None
     raw = _bounded(lambda: store.get(key))
+    if raw is None:
+        return None
     try:
         gone, by = raw.decode().split(":")
         return int(gone), int(by)
     except Exception:  # noqa: BLE001 - no answer, or not ours
         return None
-
-
-def global_missing(local_missing: list[int], ranks: list[int]) -> list[int]:
-    return [ranks[i] for i in local_missing if 0 <= i < len(ranks)]

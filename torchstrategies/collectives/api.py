@@ -24,9 +24,9 @@ one rank -> HIERARCHICAL; else RING; a dtype or op our kernels do not take goes 
 from __future__ import annotations
 
 import datetime
-import weakref
-from collections.abc import Sequence
-from typing import Any, Union
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -34,15 +34,18 @@ import torch.distributed as dist
 from torchstrategies._ext import _C
 from torchstrategies.collectives import backend as _backend
 from torchstrategies.collectives import debug, topology
-from torchstrategies.collectives._common import agree_on_first_use, from_backend_error, wait_work
+from torchstrategies.collectives._common import from_backend_error, wait_work
+from torchstrategies.collectives.debug import agree_on_first_use
+from torchstrategies.collectives.group_state import C10dCollectives, GroupState, Target
 from torchstrategies.collectives.options import CommunicationImplementation as Impl
 from torchstrategies.collectives.options import CommunicationOptions
-from torchstrategies.collectives.packing import make_packs
+from torchstrategies.collectives.packing import Pack, make_packs
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["all_reduce", "all_reduce_", "all_reduce_async", "all_gather", "broadcast", "buffer", "choose",
            "new_group"]
 
+_AllreduceOpts = TypeVar("_AllreduceOpts", bound=dist.AllreduceOptions)
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]  # noqa: UP007 - a runtime alias on py3.10
 _DEFAULT = CommunicationOptions()
 _CPU = torch.device("cpu")
@@ -51,7 +54,7 @@ _C10D_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.AVG, 
 
 
 # ------------------------------------------------------------------------------------------------ groups
-def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] | None = None) -> Any:
+def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] | None = None) -> dist.ProcessGroup:
     """A process group for ``options.implementation`` (collective over the world, like ``dist.new_group``).
 
     AUTO, SHM, RING, HIERARCHICAL: a group on the ``"torchstrategies"`` backend running that implementation
@@ -85,31 +88,14 @@ def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] 
                           pg_options=_backend.BackendOptions(opts.implementation, seconds))
 
 
-class _Target:
-    """Where a group's calls for one implementation run: ``obj`` takes c10d calls (a Backend, or the group
-    itself for CUDA tensors); ``avg`` says whether it computes ReduceOp.AVG (gloo does not)."""
-
-    __slots__ = ("obj", "ours", "avg", "debug", "generation", "__weakref__")
-
-    def __init__(self, obj: Any, ours: bool, avg: bool, debug_on: bool) -> None:
-        self.obj, self.ours, self.avg, self.debug = obj, ours, avg, debug_on
-        self.generation = topology.generation()  # topology.clear_caches() (new host identities) retires it
-
-
-# Per live group (held weakly, so a destroyed group goes at once): (implementation, cuda) -> _Target, or the
-# exception its set-up raised (a set-up is attempted once per group: the ranks cannot disagree on a count).
-_targets: weakref.WeakKeyDictionary[Any, dict[tuple[Impl, bool], Any]] = weakref.WeakKeyDictionary()
-
-
-def _target(group: Any, impl: Impl, cuda: bool) -> _Target:
+def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
+    """Where calls with ``impl`` on ``group`` run, made once per group (``GroupState.targets``)."""
     g = topology.resolve(group)
-    per = _targets.get(g)
-    if per is None:
-        per = _targets[g] = {}
+    per = GroupState.of(g).targets
     found = per.get((impl, cuda))
-    if isinstance(found, _Target) and found.generation == topology.generation():
+    if isinstance(found, Target) and found.generation == topology.generation():
         return found
-    if isinstance(found, _Target):  # made before topology.clear_caches(): make it again (collective)
+    if isinstance(found, Target):  # made before topology.clear_caches(): make it again (collective)
         found = None
     if found is not None:
         raise RuntimeError(f"{impl.name} on {topology.describe_group(g)} failed to set up earlier ({found}); "
@@ -124,7 +110,7 @@ def _target(group: Any, impl: Impl, cuda: bool) -> _Target:
     return made
 
 
-def _check_choice(impl: Impl, cuda: bool, g: Any) -> None:
+def _check_choice(impl: Impl, cuda: bool, g: dist.ProcessGroup) -> None:
     if impl is Impl.TREE:
         _backend.BackendOptions(Impl.TREE)  # raises the ValueError that says TREE was removed
     if impl is Impl.NCCL and (not cuda or "nccl" not in str(dist.get_backend(g))):
@@ -134,38 +120,43 @@ def _check_choice(impl: Impl, cuda: bool, g: Any) -> None:
         raise ValueError(f"implementation {impl.name} works on CPU tensors; got CUDA tensors (use AUTO or NCCL)")
 
 
-def _cpu_backend(g: Any) -> Any:
+def _cpu_backend(g: dist.ProcessGroup) -> torch._C._distributed_c10d.Backend | None:
     try:
         return g._get_backend(_CPU)
     except RuntimeError:  # a group without a CPU backend (NCCL only)
         return None
 
 
-def _make_target(g: Any, impl: Impl, cuda: bool) -> _Target:
+def _calls(backend: torch._C._distributed_c10d.Backend) -> C10dCollectives:
+    """A c10d Backend as what takes the calls (torch's stubs leave its collectives out; it has them)."""
+    return cast(C10dCollectives, backend)
+
+
+def _make_target(g: dist.ProcessGroup, impl: Impl, cuda: bool) -> Target:
     if cuda:
-        return _Target(g, False, True, agree_on_first_use(g))
+        return Target(g, False, True, agree_on_first_use(g))
     own = _cpu_backend(g)
     if impl is Impl.GLOO:
         if own is not None and own.name() == "gloo":
-            return _Target(own, False, False, agree_on_first_use(g))
+            return Target(_calls(own), False, False, agree_on_first_use(g))
         seconds = topology.group_timeout(g)
         gloo = dist.ProcessGroupGloo(_derived_store(g, "GLOO"), dist.get_rank(g), dist.get_world_size(g),
                                      datetime.timedelta(seconds=seconds))
-        return _Target(gloo, False, False, agree_on_first_use(g))
+        return Target(_calls(gloo), False, False, agree_on_first_use(g))
     if own is not None and _C.is_torchstrategies_backend(own):
         if impl is Impl.AUTO or _C.backend_plan(own)[0] == impl.name:
-            return _Target(own, True, True, debug.enabled())  # TORCHSTRATEGIES_DEBUG agreed at creation
+            return Target(_calls(own), True, True, debug.enabled())  # TORCHSTRATEGIES_DEBUG agreed at creation
     made = _backend.make(_derived_store(g, impl.name), dist.get_rank(g), dist.get_world_size(g),
                          topology.group_timeout(g), topology.group_ranks(g), topology.describe_group(g), impl)
-    return _Target(made, True, True, debug.enabled())
+    return Target(_calls(made), True, True, debug.enabled())
 
 
-def _derived_store(g: Any, what: str) -> Any:
+def _derived_store(g: dist.ProcessGroup, what: str) -> dist.PrefixStore:
     store = dist.distributed_c10d._get_default_store()
     return dist.PrefixStore(f"torchstrategies/{g.group_name}/{what}/{topology.generation()}/", store)
 
 
-def choose(impl: Impl | str, tensors: Sequence[torch.Tensor], group: Any) -> Impl:
+def choose(impl: Impl | str, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> Impl:
     """What runs a call with ``impl`` on these tensors: NCCL, GLOO, or the plan of the torchstrategies
     backend (SHM, RING, HIERARCHICAL). Collective the first time per group and implementation."""
     impl = Impl.from_any(impl)
@@ -177,7 +168,7 @@ def choose(impl: Impl | str, tensors: Sequence[torch.Tensor], group: Any) -> Imp
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _options(what: str, options: Any) -> CommunicationOptions:
+def _options(what: str, options: object) -> CommunicationOptions:
     if options is not None and not isinstance(options, CommunicationOptions):
         raise TypeError(f"{what}: options must be CommunicationOptions or None, got {type(options).__name__}")
     return options if options is not None else _DEFAULT
@@ -204,11 +195,11 @@ def _device_kind(what: str, items: list[torch.Tensor]) -> bool:
     return ncuda > 0
 
 
-def _timeout(options: CommunicationOptions, group: Any) -> float:
+def _timeout(options: CommunicationOptions, group: dist.ProcessGroup | None) -> float:
     return float(options.timeout_seconds) if options.timeout_seconds is not None else topology.group_timeout(group)
 
 
-def _wait(work: Any, target: _Target, timeout: float, what: str, group: Any) -> None:
+def _wait(work: dist.Work, target: Target, timeout: float, what: str, group: dist.ProcessGroup | None) -> None:
     """Waits for a c10d Work (bounded) and raises the collective's documented error."""
     if target.ours:
         try:
@@ -222,16 +213,30 @@ def _wait(work: Any, target: _Target, timeout: float, what: str, group: Any) -> 
               topology.resolve(group))
 
 
-def _translate(exc: BaseException, target: _Target) -> BaseException:
+def _translate(exc: BaseException, target: Target) -> BaseException:
     if isinstance(exc, dist.DistBackendError) and target.ours:
         return from_backend_error(exc)
     return exc
 
 
 # --------------------------------------------------------------------------------------------- all-reduce
-def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any, inplace: bool, sync: bool = True
-            ) -> tuple[list[Any], Any, _Target, float, list[torch.Tensor], bool]:
-    """Validates, starts the all-reduce (one call per dtype pack) and returns (works, finish, ...)."""
+class _Launched(NamedTuple):
+    """An all-reduce started by ``_launch``: its c10d works, what to do after they finish, and its result."""
+
+    works: list[dist.Work]
+    finish: Callable[[], None]
+    target: Target
+    timeout: float
+    results: list[torch.Tensor]
+    single: bool  # a Tensor was given (not a list): the result is results[0]
+
+    def result(self) -> TensorOrList:
+        return self.results[0] if self.single else self.results
+
+
+def _launch(what: str, tensors: TensorOrList, op: ReduceOp | str, group: dist.ProcessGroup | None,
+            options: CommunicationOptions | None, inplace: bool, sync: bool = True) -> _Launched:
+    """Validates and starts the all-reduce (one call per dtype pack)."""
     items, single = _as_list(what, tensors)
     rop = ReduceOp.from_any(op)
     opts = _options(what, options)
@@ -247,8 +252,8 @@ def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any,
         debug.check("all_reduce", rop, items, g, timeout)
     results = items if inplace else [t.clone(memory_format=torch.contiguous_format) for t in items]
     td = datetime.timedelta(seconds=timeout)
-    works: list[Any] = []
-    after: list[Any] = []  # (pack, flat) to copy back on the paths that reduce a packed copy
+    works: list[dist.Work] = []
+    after: list[tuple[Pack, torch.Tensor]] = []  # to copy back on the paths that reduce a packed copy
     if target.avg:  # ours and NCCL: a list of one dtype is reduced as one buffer, MEAN is ReduceOp.AVG
         c10d_op = _C10D_OPS[rop]
         if len(results) == 1:
@@ -272,38 +277,56 @@ def _launch(what: str, tensors: TensorOrList, op: Any, group: Any, options: Any,
                 with torch.no_grad():
                     pack.copy_back(results)
 
-    return works, finish, target, timeout, results, single
+    return _Launched(works, finish, target, timeout, results, single)
 
 
-_OPTS: dict[tuple[Any, ...], Any] = {}  # c10d option objects by (kind, op or root, timeout, sync)
-
-
-def _c10d_options(kind: Any, td: datetime.timedelta, sync: bool, op: Any = None, root: int = 0) -> Any:
-    """A c10d options object (made once per distinct value): ``sync`` (async_op=False) lets the
+@functools.lru_cache(maxsize=512)
+def _allreduce_options(kind: type[_AllreduceOpts], op: dist.ReduceOp.RedOpType, td: datetime.timedelta,
+                       sync: bool) -> _AllreduceOpts:
+    """A c10d options object, made once per distinct value: ``sync`` (async_op=False) lets the
     torchstrategies backend run the call on this thread."""
-    key = (kind, op, root, td, sync)
-    opts = _OPTS.get(key)
-    if opts is None:
-        opts = kind()
-        opts.timeout = td
-        opts.asyncOp = not sync
-        if op is not None:
-            opts.reduceOp = op
-        if kind is dist.BroadcastOptions:
-            opts.rootRank = root
-        if len(_OPTS) < 512:
-            _OPTS[key] = opts
+    opts = kind()
+    opts.reduceOp = dist.ReduceOp(op)
+    opts.timeout = td
+    opts.asyncOp = not sync
     return opts
 
 
-def _allreduce(target: _Target, members: list[torch.Tensor], op: Any, td: datetime.timedelta, sync: bool) -> Any:
+@functools.lru_cache(maxsize=512)
+def _broadcast_options(root: int, td: datetime.timedelta) -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.timeout = td
+    opts.asyncOp = False
+    return opts
+
+
+@functools.lru_cache(maxsize=512)
+def _allgather_options(td: datetime.timedelta) -> dist.distributed_c10d.AllgatherOptions:
+    opts = dist.distributed_c10d.AllgatherOptions()
+    opts.timeout = td
+    opts.asyncOp = False
+    return opts
+
+
+def _allreduce(target: Target, members: list[torch.Tensor], op: dist.ReduceOp.RedOpType, td: datetime.timedelta,
+               sync: bool) -> dist.Work:
     if len(members) == 1:
-        return target.obj.allreduce(members, _c10d_options(dist.AllreduceOptions, td, sync, op))
-    return target.obj.allreduce_coalesced(members, _c10d_options(dist.AllreduceCoalescedOptions, td, sync, op))
+        return target.obj.allreduce(members, _allreduce_options(dist.AllreduceOptions, op, td, sync))
+    return target.obj.allreduce_coalesced(members, _allreduce_options(dist.AllreduceCoalescedOptions, op, td, sync))
 
 
-def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
-               options: CommunicationOptions | None = None) -> Any:
+def _reduce(what: str, tensors: TensorOrList, op: ReduceOp | str, group: dist.ProcessGroup | None,
+            options: CommunicationOptions | None, inplace: bool) -> TensorOrList:
+    call = _launch(what, tensors, op, group, options, inplace)
+    for w in call.works:
+        _wait(w, call.target, call.timeout, "all_reduce", group)
+    call.finish()
+    return call.result()
+
+
+def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+               options: CommunicationOptions | None = None) -> TensorOrList:
     """Returns the reduction of ``tensors`` over the group's ranks (new tensors; inputs untouched).
 
     Args:
@@ -320,53 +343,44 @@ def all_reduce(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: 
         UnavailableError: a peer is gone.
         ValueError / TypeError: bad input, or ranks making different calls.
     """
-    works, finish, target, timeout, results, single = _launch("all_reduce", tensors, op, group, options, False)
-    for w in works:
-        _wait(w, target, timeout, "all_reduce", group)
-    finish()
-    return results[0] if single else results
+    return _reduce("all_reduce", tensors, op, group, options, False)
 
 
-def all_reduce_(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
-                options: CommunicationOptions | None = None) -> Any:
+def all_reduce_(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+                options: CommunicationOptions | None = None) -> TensorOrList:
     """Like ``all_reduce`` but writes the result into ``tensors`` and returns them."""
-    works, finish, target, timeout, results, single = _launch("all_reduce_", tensors, op, group, options, True)
-    for w in works:
-        _wait(w, target, timeout, "all_reduce", group)
-    finish()
-    return results[0] if single else results
+    return _reduce("all_reduce_", tensors, op, group, options, True)
 
 
-def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
-                     options: CommunicationOptions | None = None) -> torch.futures.Future[Any]:
+def all_reduce_async(tensors: TensorOrList, op: ReduceOp | str = ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+                     options: CommunicationOptions | None = None) -> torch.futures.Future[TensorOrList]:
     """Starts an in-place all-reduce of ``tensors``; returns a ``torch.futures.Future``.
 
     The future (the type DDP's comm hooks return) gives what ``all_reduce_`` returns, or raises the
     collective's documented error. Calls on one group run in the order they were started, on the
     backend's own thread. Don't touch ``tensors`` until ``wait()`` returns.
     """
-    works, finish, target, _, results, single = _launch("all_reduce_async", tensors, op, group, options, True,
-                                                        sync=False)
-    futs = [w.get_future() for w in works]
-    result: torch.futures.Future[Any] = torch.futures.Future()
+    call = _launch("all_reduce_async", tensors, op, group, options, True, sync=False)
+    futs = [w.get_future() for w in call.works]
+    result: torch.futures.Future[TensorOrList] = torch.futures.Future()
 
-    def done(both: Any) -> None:
+    def done(both: torch.futures.Future[list[torch.futures.Future[object]]]) -> None:
         try:
             for part in both.value():
                 part.wait()
-            finish()
+            call.finish()
         except Exception as exc:  # noqa: BLE001 - the documented error replaces the backend's
-            result.set_exception(_translate(exc, target))  # type: ignore[arg-type]
+            result.set_exception(_translate(exc, call.target))  # type: ignore[arg-type]
             return
-        result.set_result(results[0] if single else results)
+        result.set_result(call.result())
 
     torch.futures.collect_all(futs).add_done_callback(done)  # type: ignore[arg-type]
     return result
 
 
 # ---------------------------------------------------------------------------------------- gather, broadcast
-def all_gather(tensor: torch.Tensor, group: Any = None, options: CommunicationOptions | None = None,
-               axis: int = 0) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+               options: CommunicationOptions | None = None, axis: int = 0) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` (same shape on all ranks) along ``axis``, in rank order."""
     items, _ = _as_list("all_gather", tensor)
     if len(items) != 1:
@@ -379,14 +393,14 @@ def all_gather(tensor: torch.Tensor, group: Any = None, options: CommunicationOp
         debug.check("all_gather", None, [t], group, timeout)
     world = dist.get_world_size(group)
     out = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device)
-    gopts = _c10d_options(dist.distributed_c10d.AllgatherOptions, datetime.timedelta(seconds=timeout), True)
+    gopts = _allgather_options(datetime.timedelta(seconds=timeout))
     _wait(target.obj._allgather_base(out.view(-1), t.view(-1), gopts), target, timeout, "all_gather", group)
     if t.dim() == 0:
         return out
     return torch.cat(list(out.unbind(0)), dim=axis)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
+def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None,
               options: CommunicationOptions | None = None) -> torch.Tensor:
     """Copies group rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place) and returns it."""
     items, _ = _as_list("broadcast", tensor)
@@ -400,14 +414,14 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
     if target.debug:
         debug.check("broadcast", src, [t], group, timeout)
     work = t if t.is_contiguous() else t.contiguous()
-    bopts = _c10d_options(dist.BroadcastOptions, datetime.timedelta(seconds=timeout), True, root=src)
+    bopts = _broadcast_options(src, datetime.timedelta(seconds=timeout))
     _wait(target.obj.broadcast([work], bopts), target, timeout, "broadcast", group)
     if work is not t:
         t.copy_(work)
     return t
 
 
-def buffer(numel: int, dtype: torch.dtype = torch.float32, group: Any = None,
+def buffer(numel: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
            options: CommunicationOptions | None = None) -> torch.Tensor:
     """A zeroed 1-D tensor that the torchstrategies backend all-reduces in place without a copy in
     (collective; same numel and dtype on every rank).

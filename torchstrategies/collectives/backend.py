@@ -31,9 +31,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any
 
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 from torchstrategies._ext import _C
 from torchstrategies.collectives import topology
@@ -63,7 +63,7 @@ def _int_env(name: str, default: int) -> int:
     return value
 
 
-def _implementation(value: Any) -> Impl:
+def _implementation(value: Impl | str) -> Impl:
     impl = Impl.from_any(value)
     if impl not in IMPLEMENTATIONS:
         if impl is Impl.TREE:
@@ -127,7 +127,7 @@ def bind_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _create(dist_opts: Any, pg_options: Any) -> Any:
+def _create(dist_opts: c10d._DistributedBackendOptions, pg_options: object) -> c10d.Backend:
     """The creator torch calls for every group on this backend (``extended_api=True``)."""
     if pg_options is not None and not isinstance(pg_options, BackendOptions):
         raise TypeError(f"pg_options of a torchstrategies group must be torchstrategies.collectives."
@@ -146,7 +146,8 @@ def shm_slot_bytes() -> int:
     return _int_env("TORCHSTRATEGIES_SHM_SLOT_BYTES", SHM_SLOT_BYTES)
 
 
-def make(store: Any, rank: int, size: int, timeout: float, global_ranks: list[int], desc: str, impl: Impl) -> Any:
+def make(store: dist.Store, rank: int, size: int, timeout: float, global_ranks: list[int], desc: str,
+         impl: Impl) -> c10d.Backend:
     """A torchstrategies c10d backend on ``store`` (collective over the group's ranks)."""
     slot = shm_slot_bytes()
     small = _int_env("TORCHSTRATEGIES_RING_SMALL_BYTES", 64 << 10)

@@ -3,37 +3,69 @@
 The check is ``descriptor.check`` (collective, sequence number in the group, reduce op, dtype, sizes);
 a mismatch raises ValueError on every rank naming both ranks' calls, instead of a hang, a crash in gloo
 or a silently wrong result. State is kept per group object and recovers after a mismatch.
+
+``agree_on_first_use`` makes the ranks of a gloo / NCCL group agree on the mode before their first call.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from torchstrategies.collectives import descriptor, topology
+from torchstrategies.collectives._common import host_hash, remember_peers, wait_work
+from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["enabled", "check"]
+__all__ = ["enabled", "check", "agree_on_first_use"]
 
 _ENV = "TORCHSTRATEGIES_DEBUG"
 # os.environ.get costs ~1-2 us (it encodes the key every call); the hot path asks on every collective,
 # so read the encoded mapping behind os.environ directly (it is what os.environ updates).
-_RAW: Any = getattr(os.environ, "_data", None)
+_RAW: Mapping[object, object] | None = getattr(os.environ, "_data", None)
 _RAW_KEY = os.environ.encodekey(_ENV) if _RAW is not None and hasattr(os.environ, "encodekey") else None
 _OFF = {b"", b"0", b"false", b"False", "", "0", "false", "False"}
 
 
 def enabled() -> bool:
     """True if TORCHSTRATEGIES_DEBUG is set to something other than "", "0" or "false"."""
-    if _RAW_KEY is not None:
+    if _RAW is not None and _RAW_KEY is not None:
         v = _RAW.get(_RAW_KEY)
         return v is not None and v not in _OFF
     return os.environ.get(_ENV, "") not in ("", "0", "false", "False")
 
 
-def check(what: str, op: Any, tensors: Sequence[torch.Tensor], group: Any, timeout: float | None = None) -> None:
+def check(what: str, op: ReduceOp | int | None, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+          timeout: float | None = None) -> None:
     """Raises ValueError on every rank if another rank of the group is making a different call."""
     t = topology.group_timeout(group) if timeout is None else timeout
     descriptor.check("debug:" + what, op, tensors, group, t)
+
+
+def agree_on_first_use(group: dist.ProcessGroup) -> bool:
+    """The first call on a gloo / NCCL group: every rank exchanges (TORCHSTRATEGIES_DEBUG, host, pid).
+
+    Debug mode adds a collective to every call, so ranks that disagree on it would pair different
+    collectives (and gloo aborts the process): a difference raises ValueError on every rank instead, naming
+    the variable. The pids let a later failure name the rank really at fault. Returns the agreed flag.
+    """
+    flag = enabled()
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([int(flag), host_hash(), os.getpid()], dtype=torch.int64, device=device)
+    out = torch.zeros((n, 3), dtype=torch.int64, device=device)
+    work = dist.all_gather(list(out.unbind(0)), mine, group=group, async_op=True)
+    ranks = topology.group_ranks(group)
+    wait_work(work, topology.group_timeout(group), "first call (settings check)", topology.describe_group(group),
+              [r for i, r in enumerate(ranks) if i != me])
+    rows = out.cpu().tolist()
+    remember_peers(group, [(int(r[1]), int(r[2])) for r in rows])
+    if len({r[0] for r in rows}) > 1:
+        values = ", ".join(f"rank {ranks[i]}: {'1' if r[0] else 'unset'}" for i, r in enumerate(rows))
+        raise ValueError(f"TORCHSTRATEGIES_DEBUG differs between ranks of {topology.describe_group(group)} "
+                         f"({values}); set the same value on every rank (it is read when a group is first used)")
+    return flag

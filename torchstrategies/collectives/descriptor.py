@@ -7,23 +7,24 @@ process and an op mismatch silently gives different results). The torchstrategie
 descriptors on every call in C++ (csrc/core/desc.h); this check runs with TORCHSTRATEGIES_DEBUG=1 on any
 group (``debug.check``), and also compares the shapes.
 
-The sequence numbers are kept per group object (a new group starts at 0) and recover after a mismatch:
+The sequence numbers are kept in the group's ``GroupState`` (a new group starts at 0) and recover after a mismatch:
 every rank sees the same rows, so every rank raises, and all continue from the largest sequence seen.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from torchstrategies.collectives import topology
 from torchstrategies.collectives._common import DTYPE_CODES, OP_CODES, host_hash, remember_peers, wait_work
+from torchstrategies.collectives.group_state import GroupState
+from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["check"]
 
@@ -31,27 +32,28 @@ _MAGIC = 0x7D15C
 _KNOWN_CALLS = ("all_reduce(ring)", "all_reduce(tree)", "all_reduce(hierarchical)", "debug:all_reduce",
                 "debug:broadcast", "debug:all_gather")
 _WHAT: dict[str, int] = {w: zlib.crc32(w.encode()) & 0x7FFFFFFF for w in _KNOWN_CALLS}
+_CPU = torch.device("cpu")
 _SRC_BASE = 1 << 20  # a broadcast's source rank r is sent as op code _SRC_BASE + r
-_seq: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _FIELDS = ("magic", "seq", "call", "op", "dtype", "numel", "shapes", "setting")
 _COMPARED = len(_FIELDS)
+K = TypeVar("K")
 
 
-def _code(table: dict[Any, int], key: Any) -> int:
+def _code(table: Mapping[K, int], key: K) -> int:
     code = table.get(key)
     if code is None:
         code = zlib.crc32(str(key).encode()) & 0x7FFFFFFF
     return code
 
 
-def _name(table: dict[Any, int], code: int) -> str:
+def _name(table: Mapping[K, int], code: int) -> str:
     for k, v in table.items():
         if v == code:
             return getattr(k, "name", str(k).replace("torch.", ""))
     return f"#{code}"
 
 
-def _row(what: str, seq: int, op: Any, tensors: Sequence[torch.Tensor], setting: int) -> list[int]:
+def _row(what: str, seq: int, op: ReduceOp | int | None, tensors: Sequence[torch.Tensor], setting: int) -> list[int]:
     _WHAT.setdefault(what, zlib.crc32(what.encode()) & 0x7FFFFFFF)
     dtypes = {t.dtype for t in tensors}
     dtype = _code(DTYPE_CODES, next(iter(dtypes))) if len(dtypes) == 1 else (
@@ -69,7 +71,8 @@ def _fmt(row: list[int]) -> str:
             f"dtype={_name(DTYPE_CODES, row[4])}, numel={row[5]}, shapes#{row[6]:x}, setting={row[7]})")
 
 
-def check(what: str, op: Any, tensors: Sequence[torch.Tensor], group: Any, timeout: float,
+def check(what: str, op: ReduceOp | int | None, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+          timeout: float,
           setting: int = 0, hint: str = "") -> None:
     """Raises ValueError on every rank if any rank of ``group`` is making a different call.
 
@@ -84,10 +87,11 @@ def check(what: str, op: Any, tensors: Sequence[torch.Tensor], group: Any, timeo
         hint: appended to the error (which setting ``setting`` is).
     """
     g = topology.resolve(group)
-    seq = _seq.get(g, 0)
+    state = GroupState.of(g)
+    seq = state.seq
     mine = _row(what, seq, op, tensors, setting)
     n = dist.get_world_size(g)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(g) == "nccl" else _CPU
     out = torch.zeros((n, len(mine)), dtype=torch.int64, device=device)
     work = dist.all_gather(list(out.unbind(0)), torch.tensor(mine, dtype=torch.int64, device=device), group=g,
                            async_op=True)
@@ -100,9 +104,9 @@ def check(what: str, op: Any, tensors: Sequence[torch.Tensor], group: Any, timeo
         remember_peers(g, [(r[-2], r[-1]) for r in full])
     rows = [r[:_COMPARED] for r in full]
     if all(r == rows[0] for r in rows):
-        _seq[g] = seq + 1
+        state.seq = seq + 1
         return
-    _seq[g] = max(r[1] for r in rows) + 1  # every rank sees the same rows: all raise, all resynchronize
+    state.seq = max(r[1] for r in rows) + 1  # every rank sees the same rows: all raise, all resynchronize
     other = next(i for i, r in enumerate(rows) if r != rows[0])
     diff = [f for f, a, b in zip(_FIELDS, rows[0], rows[other]) if a != b]
     # Every rank is here, so one more fixed-size exchange can carry each call's shapes for the message.
@@ -117,7 +121,7 @@ def check(what: str, op: Any, tensors: Sequence[torch.Tensor], group: Any, timeo
 _TEXT_BYTES = 1024
 
 
-def _gather_text(text: str, g: Any, device: Any, timeout: float, what: str, ranks: list[int],
+def _gather_text(text: str, g: dist.ProcessGroup, device: torch.device, timeout: float, what: str, ranks: list[int],
                  me: int) -> list[str]:
     raw = text.encode()[:_TEXT_BYTES]
     mine = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
