@@ -39,9 +39,12 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
+
+from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
 __all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RESTARTABLE_EXIT_CODE"]
 
@@ -51,16 +54,32 @@ RESTARTABLE_EXIT_CODE = 42
 _FORMAT = "torchstrategies-checkpoint-1"
 
 
-def _mwms_extended() -> Any:
-    """The live MultiWorkerMirroredStrategy's extended, if any (saving is then a collective)."""
-    from torchstrategies.strategies import multi_worker_mirrored as mw
+P = ParamSpec("P")
+R = TypeVar("R")
 
-    for ext in list(mw.live_extendeds()):
+
+class _Variable(Protocol):
+    """What a checkpoint reads and writes of a ``ts.Variable``."""
+
+    @property
+    def synchronization(self) -> object: ...
+
+    @property
+    def aggregation(self) -> object: ...
+
+    def read_value(self) -> object: ...
+
+    def assign(self, value: torch.Tensor) -> object: ...
+
+
+def _mwms_extended() -> MultiWorkerMirroredExtended | None:
+    """The live MultiWorkerMirroredStrategy's extended, if any (saving is then a collective)."""
+    for ext in list(live_extendeds()):
         return ext
     return None
 
 
-def _is_variable(obj: Any) -> bool:
+def _is_variable(obj: object) -> bool:
     return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
 
 
@@ -80,7 +99,7 @@ class Checkpoint:
         3
     """
 
-    def __init__(self, **objects: Any):
+    def __init__(self, **objects: object):
         self._objects: dict[str, Any] = {}
         self._ints: dict[str, int] = {}
         for name, obj in objects.items():
@@ -112,7 +131,7 @@ class Checkpoint:
             raise AttributeError(f"Checkpoint has no int attribute {name!r}; pass it to the constructor")
 
     # --- state -------------------------------------------------------------------------------------------
-    def _state(self, ext: Any) -> dict[str, Any]:
+    def _state(self, ext: MultiWorkerMirroredExtended | None) -> dict[str, Any]:
         state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": {}}
         for name, obj in self._objects.items():
             if isinstance(obj, torch.nn.Module):
@@ -182,7 +201,7 @@ def _atomic_save(state: dict[str, Any], path: str) -> None:
             os.unlink(tmp)
 
 
-def _mean_buffers(ext: Any, module: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+def _mean_buffers(ext: MultiWorkerMirroredExtended, module: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
     """Buffers are ON_READ / MEAN: the saved value is the cross-worker mean (integer buffers: rank 0's)."""
     names = [n for n, _ in module.named_buffers() if n in sd and torch.is_floating_point(sd[n])]
     if not names:
@@ -194,7 +213,7 @@ def _mean_buffers(ext: Any, module: torch.nn.Module, sd: dict[str, Any]) -> dict
     return out
 
 
-def _read_variable(ext: Any, v: Any) -> torch.Tensor:
+def _read_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable) -> torch.Tensor:
     value = torch.as_tensor(v.read_value()).detach().clone()
     sync = getattr(v.synchronization, "name", str(v.synchronization))
     if ext is None or sync != "ON_READ":
@@ -207,7 +226,7 @@ def _read_variable(ext: Any, v: Any) -> torch.Tensor:
     return box[0]
 
 
-def _restore_variable(ext: Any, v: Any, value: torch.Tensor) -> None:
+def _restore_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable, value: torch.Tensor) -> None:
     sync = getattr(v.synchronization, "name", str(v.synchronization))
     agg = getattr(v.aggregation, "name", str(v.aggregation))
     if ext is not None and sync == "ON_READ" and agg == "SUM":
@@ -306,7 +325,7 @@ class PreemptionCheckpointHandler:
     """
 
     def __init__(self, checkpoint_manager: CheckpointManager, exit_code: int = RESTARTABLE_EXIT_CODE,
-                 signals: tuple[int, ...] = (signal.SIGTERM,), exit_fn: Callable[[int], Any] | None = None):
+                 signals: tuple[int, ...] = (signal.SIGTERM,), exit_fn: Callable[[int], object] | None = None):
         if "step" not in checkpoint_manager.checkpoint._ints:
             raise ValueError(
                 "PreemptionCheckpointHandler needs a Checkpoint with a `step` int, e.g. Checkpoint(..., step=0)")
@@ -321,7 +340,7 @@ class PreemptionCheckpointHandler:
         if self.restored_from:
             log.info("resumed from %s at step %d", self.restored_from, self.total_run_calls)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.warning("received signal %d: will save a checkpoint after the current step and exit", signum)
         self._requested = True
 
@@ -336,7 +355,7 @@ class PreemptionCheckpointHandler:
         flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64)
         return bool(ext.all_reduce_tensors("max", [flag])[0].item())
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Runs one step; saves and exits with ``exit_code`` afterwards if a stop was requested."""
         out = fn(*args, **kwargs)
         self.manager.checkpoint._ints["step"] += 1

@@ -66,7 +66,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         if options is not None and not isinstance(options, CommunicationOptions):
             raise TypeError(f"communication_options must be a ts.CommunicationOptions, got {options!r}")
         self.options = options if options is not None else CommunicationOptions()
-        self._groups: dict[tuple[Any, Any], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[CommunicationImplementation, float | None], dist.ProcessGroup] = {}
         self.owned_groups: list[dist.ProcessGroup] = []  # the groups made here (the strategy destroys them)
         if group is not None:
             if self.options.implementation is not CommunicationImplementation.AUTO:
@@ -82,13 +82,13 @@ class CollectiveAllReduce(CrossDeviceOps):
     def implementation_name(self) -> str:
         return self.options.implementation.name
 
-    def _merged(self, options: Any) -> CommunicationOptions:
+    def _merged(self, options: object) -> CommunicationOptions:
         if options is None or not isinstance(options, CommunicationOptions):
             return self.options
         return self.options.merge(options)
 
     @staticmethod
-    def _key(options: CommunicationOptions) -> tuple[Any, Any]:
+    def _key(options: CommunicationOptions) -> tuple[CommunicationImplementation, float | None]:
         return options.implementation, options.timeout_seconds
 
     def _group(self, options: CommunicationOptions) -> dist.ProcessGroup:
@@ -102,7 +102,7 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     # --- tensors ------------------------------------------------------------------------------------------
     def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
-                           options: Any = None) -> list[torch.Tensor]:
+                           options: CommunicationOptions | None = None) -> list[torch.Tensor]:
         """Returns each tensor reduced over every worker (new tensors; MEAN divides by the world size)."""
         rop = ReduceOp.from_any(op)
         items = [t.detach() for t in tensors]
@@ -126,7 +126,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 out[i] = v
         return out
 
-    def gather(self, t: torch.Tensor, axis: int = 0, options: Any = None) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, axis: int = 0, options: CommunicationOptions | None = None) -> torch.Tensor:
         """Concatenates every worker's ``t`` along ``axis``; the sizes along ``axis`` may differ."""
         if t.dim() == 0:
             raise ValueError(f"gather needs a tensor of rank >= 1 to concatenate along axis {axis}, got a scalar")
@@ -145,7 +145,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         out = torch.cat([parts[i, :k] for i, k in enumerate(counts)], dim=0)
         return out.movedim(0, axis)
 
-    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0, options: Any = None) -> None:
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
+                   options: CommunicationOptions | None = None) -> None:
         """Overwrites ``tensors`` in place with group rank ``src``'s values (packed per dtype/device)."""
         items = [t.detach() for t in tensors]
         group = self._group(self._merged(options))
@@ -157,13 +158,13 @@ class CollectiveAllReduce(CrossDeviceOps):
             with torch.no_grad():
                 pack.copy_back(items)
 
-    def barrier(self, options: Any = None) -> None:
+    def barrier(self, options: CommunicationOptions | None = None) -> None:
         """Returns when every worker has called it (within the group's timeout)."""
         dist.barrier(group=self._group(self._merged(options)))
 
     # --- CrossDeviceOps -----------------------------------------------------------------------------------
     def batch_reduce_implementation(self, op: ReduceOp, pairs: list[tuple[DistributedValues, tuple[torch.device,
-                                    ...]]], options: Any) -> list[Any]:
+                                    ...]]], options: CommunicationOptions | None) -> list[Any]:
         tensors = []
         for v, _ in pairs:
             comps = local_results(v)

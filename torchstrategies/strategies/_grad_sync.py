@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchstrategies.strategies._health import HealthMonitor
+
 __all__ = ["GradBucket", "GradientSynchronizer", "Synchronizers", "Hook", "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
@@ -169,7 +171,7 @@ class GradientSynchronizer:
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, bytes_per_pack: int = 0,
-                 hook: Hook | None = None, health: Any = None):
+                 hook: Hook | None = None, health: HealthMonitor | None = None):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {bytes_per_pack!r}")
         self.state = group
@@ -256,10 +258,6 @@ class GradientSynchronizer:
             yield
         finally:
             self._sync_enabled = prev
-
-    @property
-    def sync_enabled(self) -> bool:
-        return self._sync_enabled
 
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._where
@@ -414,7 +412,7 @@ class Synchronizers:
         optimizer._torchstrategies_mwms_syncs = (self, self._generation, found)  # type: ignore[attr-defined]
         return found
 
-    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         """``register_optimizer_step_pre_hook``: reduce what ``no_sync`` left pending, wait for the rest."""
         for s in self.for_optimizer(optimizer):
             s.before_step()

@@ -17,22 +17,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+
+import torch.distributed as dist
 
 from torchstrategies.collectives import from_backend_error
-from torchstrategies.collectives._common import STORE_SECONDS, bounded_store_call
+from torchstrategies.collectives._common import STORE_SECONDS, bounded_store_call, says_timeout
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
 
 __all__ = ["HealthMonitor"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
-_TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
 
 
 class HealthMonitor:
     """Heartbeat writer and post-mortem reader for one rank."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, prefix: str = "torchstrategies/mwms/hb",
+    def __init__(self, store: dist.Store | None, rank: int, world_size: int, prefix: str = "torchstrategies/mwms/hb",
                  interval: float = 0.25, store_seconds: float = STORE_SECONDS):
         self.store = store
         self.store_seconds = store_seconds  # bound on each read of the beats on the error path
@@ -52,9 +52,14 @@ class HealthMonitor:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
+    def _the_store(self) -> dist.Store:
+        if self.store is None:
+            raise RuntimeError("this rank has no rendezvous store")
+        return self.store
+
     def _write(self) -> None:
         self._beat += 1
-        self.store.set(self._key(self.rank), f"{self._beat} {self.seq}")
+        self._the_store().set(self._key(self.rank), f"{self._beat} {self.seq}")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -74,20 +79,20 @@ class HealthMonitor:
         answer within ``store_seconds`` (its host is frozen)."""
 
         def read() -> dict[int, tuple[int, int]]:
+            store = self._the_store()
             out = {}
             for r in range(self.world_size):
                 if r == self.rank:
                     continue
                 key = self._key(r)
-                if not self.store.check([key]):
+                if not store.check([key]):
                     out[r] = (-1, -1)
                     continue
-                beat, seq = self.store.get(key).decode().split()
+                beat, seq = store.get(key).decode().split()
                 out[r] = (int(beat), int(seq))
             return out
 
-        result: dict[int, tuple[int, int]] = bounded_store_call(read, self.store_seconds)
-        return result
+        return bounded_store_call(read, self.store_seconds)
 
     def suspects(self, grace: float | None = None) -> tuple[list[int], list[int]]:
         """(ranks whose heartbeat stopped, live ranks behind our collective sequence number)."""
@@ -110,7 +115,7 @@ class HealthMonitor:
         if named is not exc and isinstance(named, Exception):
             return named
         text = str(exc)
-        timed_out = any(w in text.lower() for w in _TIMEOUT_WORDS)
+        timed_out = says_timeout(text)
         try:
             dead, behind = self.suspects()
         except TimeoutError as store_exc:

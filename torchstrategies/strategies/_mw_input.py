@@ -18,8 +18,9 @@ keeps the result exact).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
-from typing import Any, cast
+import dataclasses
+from collections.abc import Callable, Iterator, Sized
+from typing import Protocol, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -30,22 +31,23 @@ from torchstrategies.distribute.input_lib import split_sizes
 __all__ = ["WorkerBatchSampler", "WorkerShardedDataset", "is_map_style_loader"]
 
 
+@dataclasses.dataclass(eq=False)
 class WorkerBatchSampler:
     """Yields this worker's index list of each global batch (see the module docstring)."""
 
-    def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, shuffle: bool, seed: int,
-                 drop_last: bool):
-        if global_batch < 1:
-            raise ValueError(f"the global batch size must be positive, got {global_batch}")
-        self.num_samples = num_samples
-        self.global_batch = global_batch
-        self.world = world
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.epoch = 0
-        self.skip = 0  # global batches to skip at the start of the next epoch (checkpoint resume)
+    num_samples: int
+    global_batch: int
+    world: int
+    rank: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    epoch: int = dataclasses.field(default=0, init=False)
+    skip: int = dataclasses.field(default=0, init=False)  # global batches to skip next epoch (resume)
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"the global batch size must be positive, got {self.global_batch}")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -62,7 +64,7 @@ class WorkerBatchSampler:
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.num_samples, generator=g).tolist()
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[list[int] | list[tuple[str, int]]]:
         order = self._order()
         start, self.skip = self.skip, 0
         for b in range(start, len(self)):
@@ -78,28 +80,36 @@ _EMPTY = "__torchstrategies_empty__"
 
 
 class _EmptySample:
-    def __init__(self, item: Any):
+    def __init__(self, item: object):
         self.item = item
 
 
-class _EmptyAware(torch.utils.data.Dataset):
-    def __init__(self, dataset: Any):
+class _MapStyle(Protocol):
+    """A map-style dataset: ``len`` and ``dataset[i]``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> object: ...
+
+
+class _EmptyAware(torch.utils.data.Dataset[object]):
+    def __init__(self, dataset: _MapStyle):
         self.dataset = dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, tuple) and len(key) == 2 and key[0] == _EMPTY:
+    def __getitem__(self, key: int | tuple[str, int]) -> object:
+        if isinstance(key, tuple):  # (_EMPTY, index): WorkerBatchSampler's stand-in for an empty part
             return _EmptySample(self.dataset[key[1]])
         return self.dataset[key]
 
 
 class _EmptyAwareCollate:
-    def __init__(self, collate_fn: Any):
+    def __init__(self, collate_fn: Callable[[list[object]], object]):
         self.collate_fn = collate_fn
 
-    def __call__(self, batch: list[Any]) -> Any:
+    def __call__(self, batch: list[object]) -> object:
         if len(batch) == 1 and isinstance(batch[0], _EmptySample):
             full = self.collate_fn([batch[0].item])
             return pytree.tree_map(lambda x: x[0:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, full)
@@ -113,7 +123,8 @@ class WorkerShardedDataset:
     by ``torchstrategies.checkpoint``).
     """
 
-    def __init__(self, loader: DataLoader, world: int, rank: int, seed: int, device: Any = None):
+    def __init__(self, loader: DataLoader[object], world: int, rank: int, seed: int,
+                 device: torch.device | None = None):
         if loader.batch_size is None:
             raise ValueError("experimental_distribute_dataset needs a DataLoader with batch_size (the global batch)")
         shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
@@ -121,7 +132,7 @@ class WorkerShardedDataset:
         self.sampler = WorkerBatchSampler(len(cast(Sized, loader.dataset)), loader.batch_size, world, rank, shuffle,
                                           seed, loader.drop_last)
         self._loader = DataLoader(
-            _EmptyAware(loader.dataset), batch_sampler=self.sampler, num_workers=loader.num_workers,
+            _EmptyAware(cast(_MapStyle, loader.dataset)), batch_sampler=self.sampler, num_workers=loader.num_workers,
             collate_fn=_EmptyAwareCollate(loader.collate_fn), pin_memory=loader.pin_memory, timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
         )
@@ -149,7 +160,7 @@ class WorkerShardedDataset:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         if self._started and not self._explicit_epoch:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._consumed = 0
@@ -166,6 +177,6 @@ class WorkerShardedDataset:
         self._explicit_epoch = False
 
 
-def is_map_style_loader(dataset: Any) -> bool:
+def is_map_style_loader(dataset: object) -> bool:
     return (isinstance(dataset, DataLoader) and not isinstance(dataset.dataset, IterableDataset)
             and dataset.batch_size is not None and hasattr(dataset.dataset, "__len__"))

@@ -35,11 +35,12 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategies.cluster_resolver import ClusterResolver, SimpleClusterResolver, TorchrunClusterResolver
@@ -64,6 +65,7 @@ __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_e
            "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
+T = TypeVar("T")
 
 _COMPRESSION = {None: None, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
@@ -105,8 +107,9 @@ def _default_resolver() -> ClusterResolver:
 class MultiWorkerMirroredExtended(StrategyExtended):
     """The extended API of :class:`MultiWorkerMirroredStrategy` (``strategy.extended``)."""
 
-    def __init__(self, container: Strategy, communication_options: Any, cluster_resolver: ClusterResolver | None,
-                 gradient_compression: Any, process_group: Any = None):
+    def __init__(self, container: Strategy, communication_options: CommunicationOptions | None,
+                 cluster_resolver: ClusterResolver | None, gradient_compression: str | torch.dtype | None,
+                 process_group: dist.ProcessGroup | None = None):
         super().__init__(container)
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError(f"communication_options must be a ts.CommunicationOptions, got {communication_options!r}")
@@ -116,36 +119,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 f"gradient_compression must be None, 'float16' or 'bfloat16', got {gradient_compression!r}")
         self._compression = _COMPRESSION[gradient_compression]
         self._owns_process_group = False
-        self._store: Any = None
+        self._store: dist.Store | None = None
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}")
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            if cluster_resolver is None:
-                if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-                    cluster_resolver = TorchrunClusterResolver()
-                else:
-                    cluster_resolver = SimpleClusterResolver({"worker": [f"rank:{r}" for r in range(world)]},
-                                                             task_type="worker", task_id=rank)
-        else:
-            if process_group is not None:
-                raise ValueError("process_group was given but torch.distributed is not initialized")
-            if cluster_resolver is None:
-                cluster_resolver = _default_resolver()
-            rank, world = cluster_resolver.rank, cluster_resolver.world_size
-        self._cluster_resolver = cluster_resolver
-        self._device = self._pick_device(cluster_resolver)
-        _import_dynamo_first()
-        if not dist.is_initialized():
-            self._init_process_group(cluster_resolver)
-            rank, world = dist.get_rank(), dist.get_world_size()
-        elif cluster_resolver.world_size != world or cluster_resolver.rank != rank:
-            raise ValueError(
-                f"the cluster resolver says rank {cluster_resolver.rank} of {cluster_resolver.world_size}, but the "
-                f"initialized process group is rank {rank} of {world}")
-        if process_group is not None and process_group.size() != world:
-            raise ValueError(f"MultiWorkerMirroredStrategy spans every worker: process_group has "
-                             f"{process_group.size()} of the {world} ranks")
+        self._cluster_resolver = self._join_cluster(cluster_resolver, process_group)
         # The one seam: every cross-worker operation of this strategy goes through its process group.
         self._cross_device_ops = CollectiveAllReduce(self._options, group=process_group)
         self._rank, self._world = self._cross_device_ops.rank, self._cross_device_ops.world_size
@@ -171,6 +148,38 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                  self._cross_device_ops)
 
     # --- set-up -------------------------------------------------------------------------------------------
+    def _join_cluster(self, cluster_resolver: ClusterResolver | None,
+                      process_group: dist.ProcessGroup | None) -> ClusterResolver:
+        """Picks the device and the resolver, and initializes the default process group if nobody has;
+        checks that the resolver and an existing process group agree on this rank and the world."""
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if cluster_resolver is None:
+                if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+                    cluster_resolver = TorchrunClusterResolver()
+                else:
+                    cluster_resolver = SimpleClusterResolver({"worker": [f"rank:{r}" for r in range(world)]},
+                                                             task_type="worker", task_id=rank)
+        else:
+            if process_group is not None:
+                raise ValueError("process_group was given but torch.distributed is not initialized")
+            if cluster_resolver is None:
+                cluster_resolver = _default_resolver()
+            rank, world = cluster_resolver.rank, cluster_resolver.world_size
+        self._device = self._pick_device(cluster_resolver)
+        _import_dynamo_first()
+        if not dist.is_initialized():
+            self._init_process_group(cluster_resolver)
+            rank, world = dist.get_rank(), dist.get_world_size()
+        elif cluster_resolver.world_size != world or cluster_resolver.rank != rank:
+            raise ValueError(
+                f"the cluster resolver says rank {cluster_resolver.rank} of {cluster_resolver.world_size}, but the "
+                f"initialized process group is rank {rank} of {world}")
+        if process_group is not None and process_group.size() != world:
+            raise ValueError(f"MultiWorkerMirroredStrategy spans every worker: process_group has "
+                             f"{process_group.size()} of the {world} ranks")
+        return cluster_resolver
+
     @staticmethod
     def _pick_device(resolver: ClusterResolver) -> torch.device:
         if torch.cuda.is_available():
@@ -190,19 +199,16 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             rank, world = resolver.rank, resolver.world_size
         except ValueError as exc:
             raise ValueError(f"MultiWorkerMirroredStrategy cannot find the cluster: {exc}") from None
-        kwargs: dict[str, Any] = {}
         timeout = None
         if self._options.timeout_seconds is not None:
-            timeout = kwargs["timeout"] = datetime.timedelta(seconds=float(self._options.timeout_seconds))
-        if self._device.type == "cuda":
-            kwargs["device_id"] = self._device
+            timeout = datetime.timedelta(seconds=float(self._options.timeout_seconds))
         # Under torchrun the agent hosts the store and keeps it across restarts (--max-restarts): keys of an
         # earlier attempt (e.g. gloo's peer addresses) would be read back stale, so each attempt gets its
         # own key prefix. Elsewhere rank 0 hosts the store.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store_timeout = timeout if timeout is not None else dist.distributed_c10d.default_pg_timeout
         try:
-            store: Any = dist.TCPStore(addr, port, world_size=world, is_master=(not agent and rank == 0),
+            store: dist.Store = dist.TCPStore(addr, port, world_size=world, is_master=(not agent and rank == 0),
                                        timeout=store_timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as exc:
             raise UnavailableError(
@@ -211,7 +217,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
         store = dist.PrefixStore(f"torchstrategies/{run_id}/attempt_{attempt}/", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=self._device if self._device.type == "cuda" else None)
         self._store = store
         self._owns_process_group = True
 
@@ -238,7 +245,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     # --- properties ---------------------------------------------------------------------------------------
     @property
-    def communication_options(self) -> Any:
+    def communication_options(self) -> CommunicationOptions:
         return self._options
 
     @property
@@ -330,7 +337,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return tuple(self._synchronizers.live())
 
     # --- communication: every call goes through the strategy's process group ------------------------------
-    def _guard(self, fn: Callable[[], Any], what: str) -> Any:
+    def _guard(self, fn: Callable[[], T], what: str) -> T:
         self._health.seq += 1
         try:
             return fn()
@@ -344,7 +351,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._guard(lambda: self._cross_device_ops.broadcast_(tensors, src), "broadcast")
 
     def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
-                           options: Any = None) -> list[torch.Tensor]:
+                           options: CommunicationOptions | None = None) -> list[torch.Tensor]:
         """Each tensor reduced over every worker (new tensors), in any context. Every worker calls it."""
         rop = ReduceOp.from_any(op)
         return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(rop, tensors, options),
@@ -354,10 +361,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """Returns when every worker has called it; a dead or hung worker raises a named error."""
         self._guard(self._cross_device_ops.barrier, "barrier")
 
-    def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
+    def _reduce_to(self, op: ReduceOp, value: object, destinations: object,
+                   options: CommunicationOptions | None) -> object:
         return self._batch_reduce_to(op, [(value, destinations)], options)[0]
 
-    def _batch_reduce_to(self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: Any) -> list[Any]:
+    def _batch_reduce_to(self, op: ReduceOp, pairs: list[tuple[object, object]],
+                         options: CommunicationOptions | None) -> list[object]:
         tensors = []
         for v, _ in pairs:
             comps = local_results(v) if isinstance(v, DistributedValues) else (v,)
@@ -368,7 +377,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         reduced = self.all_reduce_tensors(op, tensors, options)
         return [self._to_destinations(r, self._destination_devices(d)) for r, (_, d) in zip(reduced, pairs)]
 
-    def _gather_to(self, value: Any, destinations: Any, axis: int, options: Any) -> Any:
+    def _gather_to(self, value: object, destinations: object, axis: int,
+                   options: CommunicationOptions | None) -> object:
         comps = local_results(value) if isinstance(value, DistributedValues) else (value,)
         t = torch.as_tensor(comps[0])
         if t.dim() == 0:
@@ -390,12 +400,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self.broadcast_tensors([seed], src=0)
         return int(seed.item())
 
-    def _experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Any:
+    def _experimental_distribute_dataset(self, dataset: Iterable[object], options: object) -> object:
         if is_map_style_loader(dataset):
             gen = getattr(dataset, "generator", None)
             seed = int(gen.initial_seed()) if gen is not None else self._shared_seed()
             fetch = getattr(options, "experimental_fetch_to_device", True) if options is not None else True
-            return WorkerShardedDataset(cast(Any, dataset), self._world, self._rank, seed,
+            return WorkerShardedDataset(cast(DataLoader, dataset), self._world, self._rank, seed,
                                         self._device if fetch else None)
         return super()._experimental_distribute_dataset(dataset, options)
 
@@ -440,8 +450,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         ...     return loss
     """
 
-    def __init__(self, communication_options: Any = None, cluster_resolver: ClusterResolver | None = None, *,
-                 gradient_compression: Any = None, process_group: Any = None):
+    def __init__(self, communication_options: CommunicationOptions | None = None,
+                 cluster_resolver: ClusterResolver | None = None, *,
+                 gradient_compression: str | torch.dtype | None = None, process_group: dist.ProcessGroup | None = None):
         super().__init__(MultiWorkerMirroredExtended(self, communication_options, cluster_resolver,
                                                      gradient_compression, process_group))
 
@@ -456,7 +467,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __enter__(self) -> MultiWorkerMirroredStrategy:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     def __repr__(self) -> str:
