@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from torchstrategies import ops
+from torchstrategies._enum_names import member
 
 __all__ = ["AggregationMethod", "aggregate"]
 
@@ -33,12 +34,9 @@ class AggregationMethod(enum.IntEnum):
 
 
 def _resolve(method: object) -> AggregationMethod:
-    if method is None:
-        return AggregationMethod.DEFAULT
-    if isinstance(method, AggregationMethod):
-        return method
-    if isinstance(method, str) and method.upper() in AggregationMethod.__members__:
-        return AggregationMethod[method.upper()]
+    found = AggregationMethod.DEFAULT if method is None else member(AggregationMethod, method)
+    if found is not None:
+        return found
     if isinstance(method, int) and not isinstance(method, bool):
         try:
             return AggregationMethod(method)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from torchstrategies._enum_names import member
+
 __all__ = ["ReduceOp"]
 
 
@@ -24,8 +26,7 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op: ReduceOp | str) -> ReduceOp:
         """Accepts the enum or its name in any case ("sum", "MEAN"); raises ValueError otherwise."""
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str) and op.upper() in cls.__members__:
-            return cls[op.upper()]
+        found = member(cls, op)
+        if found is not None:
+            return found
         raise ValueError(f"Invalid reduce op {op!r}: expected one of SUM, MEAN, MIN, MAX (or their names)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 
+from torchstrategies._enum_names import member
+
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 
 
@@ -36,10 +38,9 @@ class CommunicationImplementation(enum.Enum):
     @classmethod
     def from_any(cls, value: CommunicationImplementation | str) -> CommunicationImplementation:
         """Accepts the enum or its name in any case; raises ValueError otherwise."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
+        found = member(cls, value)
+        if found is not None:
+            return found
         raise ValueError(
             f"Invalid communication implementation {value!r}: expected one of "
             f"{', '.join(cls.__members__)} (or their names)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 
+from torchstrategies._enum_names import member
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["VariableSynchronization", "VariableAggregation", "reduce_op_for"]
@@ -28,6 +29,16 @@ class VariableSynchronization(enum.Enum):
     ON_WRITE = 2
     ON_READ = 3
 
+    @classmethod
+    def from_any(cls, value: VariableSynchronization | str | None) -> VariableSynchronization:
+        """Accepts the enum, its name in any case, or None (= AUTO)."""
+        found = cls.AUTO if value is None else member(cls, value)
+        if found is not None:
+            return found
+        raise ValueError(
+            f"Invalid variable synchronization mode: {value!r}. Expected one of AUTO, NONE, ON_WRITE, ON_READ"
+        )
+
 
 class VariableAggregation(enum.Enum):
     """How per-replica updates (ON_WRITE) or copies (ON_READ) are combined (``tf.VariableAggregation``)."""
@@ -40,33 +51,13 @@ class VariableAggregation(enum.Enum):
     @classmethod
     def from_any(cls, value: VariableAggregation | str | None) -> VariableAggregation:
         """Accepts the enum, its name in any case, or None (= NONE)."""
-        if value is None:
-            return cls.NONE
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, ReduceOp) and value.name in cls.__members__:
-            return cls[value.name]
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
+        found = cls.NONE if value is None else member(cls, value.name if isinstance(value, ReduceOp) else value)
+        if found is not None:
+            return found
         raise ValueError(
             f"Invalid variable aggregation mode: {value!r} for variable. Expected one of NONE, SUM, MEAN, "
             "ONLY_FIRST_REPLICA"
         )
-
-
-def _sync_from_any(value: VariableSynchronization | str | None) -> VariableSynchronization:
-    if value is None:
-        return VariableSynchronization.AUTO
-    if isinstance(value, VariableSynchronization):
-        return value
-    if isinstance(value, str) and value.upper() in VariableSynchronization.__members__:
-        return VariableSynchronization[value.upper()]
-    raise ValueError(
-        f"Invalid variable synchronization mode: {value!r}. Expected one of AUTO, NONE, ON_WRITE, ON_READ"
-    )
-
-
-VariableSynchronization.from_any = staticmethod(_sync_from_any)  # type: ignore[attr-defined]
 
 
 def reduce_op_for(aggregation: VariableAggregation) -> ReduceOp:
