@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from torchstrategies._enum_names import member
+from torchstrategies._enum_names import parse
 
 __all__ = ["ReduceOp"]
 
@@ -26,7 +26,4 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op: ReduceOp | str) -> ReduceOp:
         """Accepts the enum or its name in any case ("sum", "MEAN"); raises ValueError otherwise."""
-        found = member(cls, op)
-        if found is not None:
-            return found
-        raise ValueError(f"Invalid reduce op {op!r}: expected one of SUM, MEAN, MIN, MAX (or their names)")
+        return parse(cls, op, "Invalid reduce op {value}: expected one of {names} (or their names)")

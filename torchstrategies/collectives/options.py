@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 
-from torchstrategies._enum_names import member
+from torchstrategies._enum_names import parse
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 
@@ -38,13 +38,8 @@ class CommunicationImplementation(enum.Enum):
     @classmethod
     def from_any(cls, value: CommunicationImplementation | str) -> CommunicationImplementation:
         """Accepts the enum or its name in any case; raises ValueError otherwise."""
-        found = member(cls, value)
-        if found is not None:
-            return found
-        raise ValueError(
-            f"Invalid communication implementation {value!r}: expected one of "
-            f"{', '.join(cls.__members__)} (or their names)"
-        )
+        return parse(cls, value,
+                     "Invalid communication implementation {value}: expected one of {names} (or their names)")
 
 
 class CommunicationOptions:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from torchstrategies._enum_names import member
+from torchstrategies._enum_names import parse
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["VariableSynchronization", "VariableAggregation", "reduce_op_for"]
@@ -32,12 +32,7 @@ class VariableSynchronization(enum.Enum):
     @classmethod
     def from_any(cls, value: VariableSynchronization | str | None) -> VariableSynchronization:
         """Accepts the enum, its name in any case, or None (= AUTO)."""
-        found = cls.AUTO if value is None else member(cls, value)
-        if found is not None:
-            return found
-        raise ValueError(
-            f"Invalid variable synchronization mode: {value!r}. Expected one of AUTO, NONE, ON_WRITE, ON_READ"
-        )
+        return parse(cls, value, "Invalid variable synchronization mode: {value}. Expected one of {names}", cls.AUTO)
 
 
 class VariableAggregation(enum.Enum):
@@ -51,13 +46,10 @@ class VariableAggregation(enum.Enum):
     @classmethod
     def from_any(cls, value: VariableAggregation | str | None) -> VariableAggregation:
         """Accepts the enum, its name in any case, or None (= NONE)."""
-        found = cls.NONE if value is None else member(cls, value.name if isinstance(value, ReduceOp) else value)
-        if found is not None:
-            return found
-        raise ValueError(
-            f"Invalid variable aggregation mode: {value!r} for variable. Expected one of NONE, SUM, MEAN, "
-            "ONLY_FIRST_REPLICA"
-        )
+        if isinstance(value, ReduceOp) and value.name in cls.__members__:
+            return cls[value.name]
+        return parse(cls, value, "Invalid variable aggregation mode: {value} for variable. Expected one of {names}",
+                     cls.NONE)
 
 
 def reduce_op_for(aggregation: VariableAggregation) -> ReduceOp:
