@@ -292,7 +292,7 @@ class TFConfigClusterResolver(SimpleClusterResolver):
         )
 
 
-def _check_tf_cluster(cluster: Any) -> None:
+def _check_tf_cluster(cluster: object) -> None:
     """TF_CONFIG's cluster: every address HOST:PORT with a port in 1..65535, no address twice, one chief."""
     hint = 'e.g. {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}'
     if not isinstance(cluster, Mapping):

@@ -71,6 +71,9 @@ _COMPRESSION = {None: None, "float16": torch.float16, "fp16": torch.float16, "bf
                 "bf16": torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 
 
+# The strategies of this process not yet shut down: process-wide, not per group (nothing else sees every
+# strategy), held weakly so that it extends no strategy's life; torchstrategies.checkpoint asks it whether a
+# save is a collective. Each strategy adds itself when made and removes itself in shutdown().
 _LIVE: weakref.WeakSet[MultiWorkerMirroredExtended] = weakref.WeakSet()
 
 
