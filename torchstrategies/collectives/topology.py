@@ -17,7 +17,7 @@ from torchstrategies._ext import _C
 from torchstrategies.collectives.group_state import GroupState
 
 __all__ = ["host_id", "resolve", "clear_caches", "generation", "group_ranks", "group_hosts", "describe_group",
-           "group_timeout", "group_key"]
+           "group_timeout"]
 
 _CPU = torch.device("cpu")
 
@@ -48,10 +48,6 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     if state.ranks is None:
         state.ranks = [dist.get_global_rank(g, i) for i in range(dist.get_world_size(g))]
     return state.ranks
-
-
-def group_key(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    return tuple(group_ranks(group))
 
 
 def generation() -> int:
