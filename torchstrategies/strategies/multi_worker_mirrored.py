@@ -43,7 +43,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchstrategies.cluster_resolver import ClusterResolver, SimpleClusterResolver, TorchrunClusterResolver
+from torchstrategies.cluster_resolver import (
+    ClusterResolver,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    TorchrunClusterResolver,
+)
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
@@ -102,8 +107,6 @@ def _import_dynamo_first() -> None:
 def _default_resolver() -> ClusterResolver:
     if "RANK" in os.environ or "TF_CONFIG" not in os.environ:
         return TorchrunClusterResolver()
-    from torchstrategies.cluster_resolver import TFConfigClusterResolver
-
     return TFConfigClusterResolver()
 
 
