@@ -2,7 +2,8 @@
 
 The check is ``descriptor.check`` (collective, sequence number in the group, reduce op, dtype, sizes);
 a mismatch raises ValueError on every rank naming both ranks' calls, instead of a hang, a crash in gloo
-or a silently wrong result. State is kept per group object and recovers after a mismatch.
+or a silently wrong result. The sequence number is kept in the group's ``GroupState`` and recovers after a
+mismatch.
 
 ``agree_on_first_use`` makes the ranks of a gloo / NCCL group agree on the mode before their first call.
 """
