@@ -317,7 +317,7 @@ def test_server_rejects_chief_role_and_strategy_rejects_non_chief():
     chief = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="chief", task_id=0)
     worker = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
     with pytest.raises(ValueError, match="chief"):
-        ts.strategies.parameter_server.Server(chief, start=False)
+        ts.distribute.Server(chief, start=False)
     with pytest.raises(ValueError, match="Server"):
         ts.ParameterServerStrategy(worker)
     no_ps = ts.cluster_resolver.SimpleClusterResolver({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:3"]},

@@ -123,7 +123,7 @@ def _scenarios(strategy):
 def _cluster(rank, world_size, body):
     resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=2)
     if resolver.task_type != "chief":
-        ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=30).join()
+        ts.distribute.Server(resolver, timeout=60, lease_timeout=30).join()
         return resolver.task_type
     strategy = ts.ParameterServerStrategy(resolver, variable_partitioner=_partitioner, timeout=30)
     try:

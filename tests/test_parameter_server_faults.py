@@ -49,7 +49,7 @@ def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, h
         with open(os.path.join(pid_dir, f"{resolver.task_type}{resolver.task_id}"), "w") as f:
             f.write(str(os.getpid()))
         try:
-            ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=lease).join()
+            ts.distribute.Server(resolver, timeout=60, lease_timeout=lease).join()
         except UnavailableError as e:
             return ("unavailable", str(e), time.time())
         return ("ok", resolver.task_type)

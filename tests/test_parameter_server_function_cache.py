@@ -17,8 +17,8 @@ import torch
 from harness import run_ranks
 
 import torchstrategies as ts
-from torchstrategies.strategies.parameter_server.registry import Registry
-from torchstrategies.strategies.parameter_server.worker_runtime import _Unpickler
+from torchstrategies.parameter_server.registry import Registry
+from torchstrategies.parameter_server.worker_runtime import _Unpickler
 
 os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789abcdef")   # the launch sets it
 
@@ -319,7 +319,7 @@ def _chief_body(strategy):
 def _cluster(rank, world_size):
     resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=1)
     if resolver.task_type != "chief":
-        ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=30).join()
+        ts.distribute.Server(resolver, timeout=60, lease_timeout=30).join()
         return resolver.task_type
     strategy = ts.ParameterServerStrategy(resolver, timeout=30)
     try:

@@ -96,7 +96,7 @@ __all__ += ["MultiWorkerMirroredStrategy", "checkpoint"]
 
 # ParameterServerStrategy (issue 6): ts.ParameterServerStrategy, ts.coordinator, ts.partitioners.
 from torchstrategies import coordinator, partitioners  # noqa: E402
-from torchstrategies.strategies.parameter_server import ParameterServerStrategy, Server  # noqa: E402
+from torchstrategies.parameter_server import ParameterServerStrategy, Server  # noqa: E402
 
 distribute.Server = Server  # type: ignore[attr-defined]  # ts.distribute.Server (TF's tf.distribute.Server): what ps and worker tasks run
 __all__ += ["ParameterServerStrategy", "coordinator", "partitioners"]

@@ -6,13 +6,13 @@ Example:
     'ClusterCoordinator'
 """
 
-from torchstrategies.strategies.parameter_server.coordinator import (
+from torchstrategies.parameter_server.coordinator import (
     ClusterCoordinator,
     PerWorkerDataset,
     PerWorkerDatasetIterator,
 )
-from torchstrategies.strategies.parameter_server.per_worker_input import PerWorkerInputContext
-from torchstrategies.strategies.parameter_server.remote_value import (
+from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
+from torchstrategies.parameter_server.remote_value import (
     PerWorkerValues,
     RemoteValue,
     RemoteValueStatus,

@@ -107,7 +107,7 @@ def _worker(args: dict[str, Any]) -> None:
     import torch
 
     import torchstrategies as ts
-    from torchstrategies.strategies.parameter_server import Server
+    from torchstrategies.parameter_server import Server
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=args["num_ps"])
@@ -136,7 +136,7 @@ def run(nproc: int = 4, num_ps: int = 1, steps: int = 100, warmup: int = 10, rou
                            "json": out})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "torchstrategies.bench.train_ps", "--worker", spec]
-        from torchstrategies.strategies.parameter_server.auth import with_job_secret
+        from torchstrategies.parameter_server.rpc.auth import with_job_secret
 
         env = with_job_secret(dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                                    PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path)))

@@ -107,7 +107,7 @@ def _env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    from torchstrategies.strategies.parameter_server.auth import with_job_secret
+    from torchstrategies.parameter_server.rpc.auth import with_job_secret
 
     return with_job_secret(env)       # the ParameterServerStrategy example needs a job secret
 

@@ -20,12 +20,12 @@ import torch
 
 from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
-from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-from torchstrategies.strategies.parameter_server.base import ParameterServerExtended
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.registry import Registry
-from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, connect_store, entry_key
-from torchstrategies.strategies.parameter_server.transport import RemoteError
+from torchstrategies.parameter_server.base import ParameterServerExtended
+from torchstrategies.parameter_server.registry import Registry
+from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+from torchstrategies.parameter_server.rpc.client import RpcClient
+from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, connect_store, entry_key
+from torchstrategies.parameter_server.rpc.transport import RemoteError
 
 __all__ = ["ParameterServerStrategy"]
 

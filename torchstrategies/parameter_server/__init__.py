@@ -9,18 +9,18 @@ addresses in a TCPStore), ``wire.py`` (the versioned message schema), ``auth.py`
 signatures), ``session.py`` (the handshake and single-use MACs).
 """
 
-from torchstrategies.strategies.parameter_server.coordinator import (
+from torchstrategies.parameter_server.coordinator import (
     ClusterCoordinator,
     PerWorkerDataset,
     PerWorkerDatasetIterator,
 )
-from torchstrategies.strategies.parameter_server.remote_value import (
+from torchstrategies.parameter_server.remote_value import (
     PerWorkerValues,
     RemoteValue,
     RemoteValueStatus,
 )
-from torchstrategies.strategies.parameter_server.server import Server
-from torchstrategies.strategies.parameter_server.strategy import ParameterServerStrategy
+from torchstrategies.parameter_server.server import Server
+from torchstrategies.parameter_server.strategy import ParameterServerStrategy
 
 __all__ = [
     "ClusterCoordinator",

@@ -21,11 +21,11 @@ from typing import Any
 import cloudpickle
 import torch
 
+from torchstrategies.parameter_server.closure_cache import FunctionCache
+from torchstrategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
+from torchstrategies.parameter_server.specs import ShardSpec, VarSpec
+from torchstrategies.parameter_server.variables import PSVariable
 from torchstrategies.partitioners import num_shards_from, shard_offsets
-from torchstrategies.strategies.parameter_server.closure_cache import FunctionCache
-from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.specs import ShardSpec, VarSpec
-from torchstrategies.strategies.parameter_server.variables import PSVariable
 
 __all__ = ["Registry"]
 
@@ -102,7 +102,7 @@ class _Pickler(cloudpickle.Pickler):
                 raise ValueError(f"{obj!r} belongs to another ParameterServerStrategy")
             self.refs.add(("variable", vid))
             return ("variable", vid)
-        from torchstrategies.strategies.parameter_server import coordinator as _coord
+        from torchstrategies.parameter_server import coordinator as _coord
 
         if isinstance(obj, _coord.PerWorkerDatasetIterator):
             if obj._coordinator._registry is not reg:

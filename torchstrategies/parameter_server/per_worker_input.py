@@ -6,7 +6,7 @@ reads the same data on every worker, as in TF. To shard per worker (an extension
 use ``input_context.worker_index`` and ``input_context.num_workers``.
 
 Example:
-    >>> from torchstrategies.strategies.parameter_server.per_worker_input import PerWorkerInputContext
+    >>> from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
     >>> ctx = PerWorkerInputContext(worker_index=1, num_workers=2)
     >>> (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.worker_index, ctx.num_workers)
     (1, 0, 1, 2)
@@ -32,7 +32,7 @@ class PerWorkerInputContext(InputContext):
         num_replicas_in_sync: replicas per worker (1: a worker is one replica).
 
     Example:
-        >>> from torchstrategies.strategies.parameter_server.per_worker_input import PerWorkerInputContext
+        >>> from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
         >>> PerWorkerInputContext(worker_index=0, num_workers=3).get_per_replica_batch_size(32)
         32
     """

@@ -155,9 +155,9 @@ class _Walk:
 
     def by_reference(self, v: Any) -> bool:
         """Whether the registry's pickler replaces ``v`` by a reference (see ``registry._Pickler``)."""
-        from torchstrategies.strategies.parameter_server import coordinator as _coord
-        from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-        from torchstrategies.strategies.parameter_server.variables import PSVariable
+        from torchstrategies.parameter_server import coordinator as _coord
+        from torchstrategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
+        from torchstrategies.parameter_server.variables import PSVariable
 
         reg = self.reg
         if isinstance(v, torch.Tensor):
@@ -185,7 +185,7 @@ class FunctionCache:
     """Pickled scheduled functions, reused while what their pickle depends on is unchanged.
 
     Args:
-        registry: the chief's :class:`~torchstrategies.strategies.parameter_server.registry.Registry`.
+        registry: the chief's :class:`~torchstrategies.parameter_server.registry.Registry`.
 
     ``Registry.dumps_closure`` (what ``ClusterCoordinator.schedule`` calls) is its one user.
 

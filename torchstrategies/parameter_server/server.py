@@ -30,10 +30,10 @@ import time
 from typing import Any
 
 from torchstrategies.errors import UnavailableError
-from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-from torchstrategies.strategies.parameter_server.ps_service import ParameterStore
-from torchstrategies.strategies.parameter_server.rendezvous import connect_store, local_address, publish
-from torchstrategies.strategies.parameter_server.transport import RpcServer
+from torchstrategies.parameter_server.ps_service import ParameterStore
+from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+from torchstrategies.parameter_server.rpc.rendezvous import connect_store, local_address, publish
+from torchstrategies.parameter_server.rpc.transport import RpcServer
 
 __all__ = ["Server"]
 
@@ -55,7 +55,7 @@ class Server:
 
     Raises:
         ValueError: the resolver's task is not a "ps" or "worker", or the job has no credentials (see
-            :mod:`~torchstrategies.strategies.parameter_server.auth`).
+            :mod:`~torchstrategies.parameter_server.rpc.auth`).
 
     Example:
         >>> resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=1)   # doctest: +SKIP
@@ -88,7 +88,7 @@ class Server:
             self.params = ParameterStore()
             self._runtime = None
         else:
-            from torchstrategies.strategies.parameter_server.worker_runtime import WorkerRuntime
+            from torchstrategies.parameter_server.worker_runtime import WorkerRuntime
 
             self.params = None
             self._runtime = WorkerRuntime(self)

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from torchstrategies.errors import CancelledError, UnavailableError
-from torchstrategies.strategies.parameter_server.auth import TASK
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.specs import VarSpec, split_rows
-from torchstrategies.strategies.parameter_server.transport import RemoteError, call_abandoned
+from torchstrategies.parameter_server.rpc.auth import TASK
+from torchstrategies.parameter_server.rpc.client import RpcClient
+from torchstrategies.parameter_server.rpc.transport import RemoteError, call_abandoned
+from torchstrategies.parameter_server.specs import VarSpec, split_rows
 
 __all__ = ["WorkerRuntime", "WorkerOptimizer", "WorkerInputContext"]
 
@@ -273,7 +273,7 @@ class WorkerRuntime:
         return p
 
     def variable(self, vid: int):
-        from torchstrategies.strategies.parameter_server.variables import PSVariable
+        from torchstrategies.parameter_server.variables import PSVariable
 
         var = self._variables.get(vid)
         if var is None:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
-from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.transport import RemoteError
+from torchstrategies.parameter_server.closure_queue import ClosureQueue
+from torchstrategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
+from torchstrategies.parameter_server.rpc.client import RpcClient
+from torchstrategies.parameter_server.rpc.transport import RemoteError
 
 __all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerDatasetIterator"]
 
@@ -213,7 +213,7 @@ class ClusterCoordinator:
     def __init__(self, strategy):
         if getattr(self, "_initialized", False):
             return
-        from torchstrategies.strategies.parameter_server.strategy import ParameterServerStrategy
+        from torchstrategies.parameter_server.strategy import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):
             raise ValueError(f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}")
@@ -283,7 +283,7 @@ class ClusterCoordinator:
         """
         import cloudpickle
 
-        from torchstrategies.strategies.parameter_server.per_worker_input import DatasetFnWithInputContext
+        from torchstrategies.parameter_server.per_worker_input import DatasetFnWithInputContext
 
         fn = DatasetFnWithInputContext(dataset_fn) if callable(dataset_fn) else _Const(dataset_fn)
         reg = self._registry
