@@ -1,4 +1,9 @@
-"""What a per-worker ``dataset_fn`` is told under ParameterServerStrategy.
+"""Per-worker input under ParameterServerStrategy: the datasets, their iterators, what ``dataset_fn`` is told.
+
+``coordinator.create_per_worker_dataset(dataset_fn)`` gives a :class:`PerWorkerDataset`; ``iter()`` of it a
+:class:`PerWorkerDatasetIterator`, which a scheduled function receives and advances on its worker. Both
+are handles into the chief's book (the registry), which numbers them and sends their definitions to the
+workers; this module does not depend on the book's class (it is passed in as a :class:`DatasetBook`).
 
 TF 2.21 has no synchronization beyond a worker, so every worker's ``dataset_fn`` gets
 ``InputContext(num_input_pipelines=1, input_pipeline_id=0)``: code that shards by ``input_pipeline_id``
@@ -15,12 +20,20 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from torchstrategies.distribute.input_lib import InputContext
+from torchstrategies.parameter_server.remote_value import PerWorkerValues
 
-__all__ = ["PerWorkerInputContext", "DatasetFnWithInputContext"]
+__all__ = [
+    "DatasetBook",
+    "DatasetFnWithInputContext",
+    "PerWorkerDataset",
+    "PerWorkerDatasetIterator",
+    "PerWorkerInputContext",
+    "dataset_fn_for_workers",
+]
 
 
 class PerWorkerInputContext(InputContext):
@@ -62,7 +75,7 @@ class PerWorkerInputContext(InputContext):
         )
 
 
-def _takes_argument(fn: Callable[..., Any]) -> bool:
+def _takes_argument(fn: Callable[..., object]) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -71,22 +84,71 @@ def _takes_argument(fn: Callable[..., Any]) -> bool:
 
 
 class DatasetFnWithInputContext:
-    """Wraps the user's ``dataset_fn``; on a worker, calls it with a :class:`PerWorkerInputContext`.
+    """Wraps the user's ``dataset_fn``; on a worker, calls it with that worker's :class:`PerWorkerInputContext`
+    (or with no argument if ``dataset_fn`` takes none)."""
 
-    The worker runtime calls this with its own context, whose ``num_input_pipelines`` is the number of
-    workers and ``input_pipeline_id`` the worker's index; the user's function gets TF's context instead.
-    """
-
-    def __init__(self, dataset_fn: Callable[..., Any]):
+    def __init__(self, dataset_fn: Callable[..., Iterable[object]]):
         self.dataset_fn = dataset_fn
         self.takes_context = _takes_argument(dataset_fn)
 
-    def __call__(self, worker_context: Any) -> Any:
-        if not self.takes_context:
-            return self.dataset_fn()
-        ctx = PerWorkerInputContext(
-            worker_index=worker_context.input_pipeline_id,
-            num_workers=worker_context.num_input_pipelines,
-            num_replicas_in_sync=getattr(worker_context, "num_replicas_in_sync", 1),
-        )
-        return self.dataset_fn(ctx)
+    def __call__(self, context: PerWorkerInputContext) -> Iterable[object]:
+        return self.dataset_fn(context) if self.takes_context else self.dataset_fn()
+
+
+class _Constant:
+    """An iterable passed to ``create_per_worker_dataset`` instead of a function: every worker gets it as it is."""
+
+    def __init__(self, value: Iterable[object]):
+        self.value = value
+
+    def __call__(self, context: PerWorkerInputContext) -> Iterable[object]:
+        return self.value
+
+
+def dataset_fn_for_workers(
+        dataset_fn: Callable[..., Iterable[object]] | Iterable[object]
+) -> Callable[[PerWorkerInputContext], Iterable[object]]:
+    """What a worker calls with its :class:`PerWorkerInputContext` to build its dataset."""
+    if callable(dataset_fn):
+        return DatasetFnWithInputContext(dataset_fn)
+    return _Constant(dataset_fn)
+
+
+class DatasetBook(Protocol):
+    """Where per-worker datasets and iterators are numbered (the chief's registry)."""
+
+    def new_iterator(self, dataset_id: int) -> int:
+        """A new iterator over dataset ``dataset_id``; returns its id."""
+        ...
+
+
+class PerWorkerDataset:
+    """A dataset built by every worker from ``dataset_fn`` (``coordinator.create_per_worker_dataset``).
+
+    ``iter(per_worker_dataset)`` gives a :class:`PerWorkerDatasetIterator`; pass it to a scheduled function
+    (as an argument or through its closure) and call ``next(iterator)`` there: each worker draws from its own
+    iterator, which keeps its position across closures.
+    """
+
+    def __init__(self, book: DatasetBook, did: int):
+        self._book = book
+        self._did = did
+
+    def __iter__(self) -> PerWorkerDatasetIterator:
+        return PerWorkerDatasetIterator(self._book, self._book.new_iterator(self._did))
+
+
+class PerWorkerDatasetIterator(PerWorkerValues):
+    """One iterator per worker (TF's per-worker iterator ``PerWorkerValues``)."""
+
+    def __init__(self, book: DatasetBook, iid: int):
+        super().__init__(())
+        self._book = book
+        self._iid = iid
+
+    def __next__(self):
+        raise RuntimeError("a per-worker iterator is advanced inside a scheduled function, on the worker: "
+                           "coordinator.schedule(lambda it: next(it), args=(iterator,))")
+
+    def __repr__(self) -> str:
+        return f"PerWorkerDatasetIterator(id={self._iid})"

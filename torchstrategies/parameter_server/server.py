@@ -24,6 +24,7 @@ Example (the same script runs on every task; torchrun ranks: 0 chief, 1..num_ps 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -34,6 +35,7 @@ from torchstrategies.parameter_server.ps_service import ParameterStore
 from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
 from torchstrategies.parameter_server.rpc.rendezvous import connect_store, local_address, publish
 from torchstrategies.parameter_server.rpc.transport import RpcServer
+from torchstrategies.parameter_server.worker_runtime import WorkerRuntime
 
 __all__ = ["Server"]
 
@@ -88,8 +90,6 @@ class Server:
             self.params = ParameterStore()
             self._runtime = None
         else:
-            from torchstrategies.parameter_server.worker_runtime import WorkerRuntime
-
             self.params = None
             self._runtime = WorkerRuntime(self)
         if start:
@@ -180,8 +180,6 @@ class Server:
 
 def _bind_host(resolver: Any, task_type: str, task_id: int) -> str:
     """The host this task's server binds: its cluster-spec entry, else its address towards the rendezvous."""
-    import os
-
     override = os.environ.get("TORCHSTRATEGIES_PS_HOST")
     if override:
         return override

@@ -18,45 +18,32 @@ buffers, parameters as placeholders), and:
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import io
 import logging
 import pickle
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.nn.functional as F
 
 from torchstrategies.errors import CancelledError, UnavailableError
+from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
+from torchstrategies.parameter_server.remote_value import map_tensors
 from torchstrategies.parameter_server.rpc.auth import TASK
 from torchstrategies.parameter_server.rpc.client import RpcClient
 from torchstrategies.parameter_server.rpc.transport import RemoteError, call_abandoned
 from torchstrategies.parameter_server.specs import VarSpec, split_rows
+from torchstrategies.parameter_server.variables import PSVariable
 
-__all__ = ["WorkerRuntime", "WorkerOptimizer", "WorkerInputContext"]
+__all__ = ["JobDefinitions", "WorkerOptimizer", "WorkerRuntime"]
 
 log = logging.getLogger("torchstrategies.parameter_server")
-
-
-class WorkerInputContext:
-    """What a per-worker ``dataset_fn(input_context)`` is told (the fields of ``tf.distribute.InputContext``)."""
-
-    def __init__(self, num_input_pipelines: int, input_pipeline_id: int, num_replicas_in_sync: int = 1):
-        self.num_input_pipelines = num_input_pipelines
-        self.input_pipeline_id = input_pipeline_id
-        self.num_replicas_in_sync = num_replicas_in_sync
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(f"the global batch size {global_batch_size} is not divisible by "
-                             f"num_replicas_in_sync {self.num_replicas_in_sync}")
-        return global_batch_size // self.num_replicas_in_sync
-
-    def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
-                f"input_pipeline_id={self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
 class _WorkerStrategyView:
@@ -66,8 +53,6 @@ class _WorkerStrategyView:
     cluster_resolver = None
 
     def scope(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def run(self, fn, args=(), kwargs=None):
@@ -182,6 +167,31 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
+@dataclass
+class JobDefinitions:
+    """What the chief has sent this worker about the job, by id (``Registry.defs_for`` sends each once per
+    connection): where each variable's shards live, each module's pickled structure and the variables it
+    holds, each optimizer's param groups, each per-worker dataset's pickled ``dataset_fn`` and the dataset
+    of each iterator. The objects built from them live in :class:`WorkerRuntime`."""
+
+    specs: dict[int, VarSpec] = field(default_factory=dict)
+    module_blobs: dict[int, bytes] = field(default_factory=dict)
+    module_vars: dict[int, list[int]] = field(default_factory=dict)
+    optimizers: dict[int, list[tuple[dict, list[int]]]] = field(default_factory=dict)
+    dataset_fns: dict[int, bytes] = field(default_factory=dict)
+    iter_datasets: dict[int, int] = field(default_factory=dict)
+
+    def install(self, defs: dict) -> None:
+        """Adds the definitions of one ``exec`` request (see ``Registry.defs_for`` for its keys)."""
+        for spec in defs.get("vars", ()):
+            self.specs[spec.var_id] = spec
+        self.module_blobs.update(defs.get("modules", {}))
+        self.module_vars.update(defs.get("module_vars", {}))
+        self.optimizers.update(defs.get("optimizers", {}))
+        self.dataset_fns.update(defs.get("datasets", {}))
+        self.iter_datasets.update(defs.get("iters", {}))
+
+
 class WorkerRuntime:
     """State of one worker task: ps connections, module replicas, iterators, and the current closure."""
 
@@ -193,17 +203,13 @@ class WorkerRuntime:
         self.ps_addresses: list[tuple[str, str]] = []  # (address, instance) per ps, from the chief
         self._clients: dict[int, RpcClient] = {}
         self._clients_lock = threading.Lock()
-        self.specs: dict[int, VarSpec] = {}
+        self.defs = JobDefinitions()
+        self.specs = self.defs.specs          # read on every pull and push
         self.params: dict[int, torch.nn.Parameter] = {}
-        self._module_blobs: dict[int, bytes] = {}
         self._modules: dict[int, torch.nn.Module] = {}
-        self._module_vars: dict[int, list[int]] = {}
-        self._opt_defs: dict[int, list[tuple[dict, list[int]]]] = {}
         self._optimizers: dict[int, WorkerOptimizer] = {}
-        self._variables: dict[int, Any] = {}
-        self._dataset_fns: dict[int, bytes] = {}
-        self._iter_defs: dict[int, int] = {}
-        self._iterators: dict[int, Any] = {}
+        self._variables: dict[int, PSVariable] = {}
+        self._iterators: dict[int, Iterator[object]] = {}
         self.active: set[int] = set()
         self.stale: set[int] = set()
         self._seen_version: dict[int, int] = {}
@@ -230,21 +236,10 @@ class WorkerRuntime:
                 c.close()
             self._clients.clear()
 
-    def _install(self, defs: dict) -> None:
-        for spec in defs.get("vars", ()):
-            self.specs[spec.var_id] = spec
-        self._module_blobs.update(defs.get("modules", {}))
-        self._module_vars.update(defs.get("module_vars", {}))
-        self._opt_defs.update(defs.get("optimizers", {}))
-        self._dataset_fns.update(defs.get("datasets", {}))
-        self._iter_defs.update(defs.get("iters", {}))
-
     def _exec(self, header: dict) -> dict:
         """Runs one closure. Exec is a chief-only method: the interceptor checked the caller's credentials
         before the request was read, so these pickles come from the authenticated chief."""
-        import cloudpickle
-
-        self._install(pickle.loads(header["defs"]) if header.get("defs") else {})
+        self.defs.install(pickle.loads(header["defs"]) if header.get("defs") else {})
         self.active = set()
         try:
             pwv = [_Unpickler(b, self).load() for b in header.get("pwv", [])]
@@ -252,7 +247,7 @@ class WorkerRuntime:
             self.pull(self.active)
             result = fn(*args, **kwargs)
             self._write_back_assignments()
-            blob = cloudpickle.dumps(_detach(result))
+            blob = cloudpickle.dumps(map_tensors(torch.Tensor.detach, result))
         except BaseException as exc:
             try:                  # the chief re-raises the closure's own exception (it trusts its workers)
                 exc._ts_reply_extra = {"exc": _dumps_exception(exc)}  # type: ignore[attr-defined]
@@ -272,9 +267,7 @@ class WorkerRuntime:
             self.params[vid] = p
         return p
 
-    def variable(self, vid: int):
-        from torchstrategies.parameter_server.variables import PSVariable
-
+    def variable(self, vid: int) -> PSVariable:
         var = self._variables.get(vid)
         if var is None:
             var = PSVariable(self.call_ps, self.specs[vid])
@@ -284,8 +277,8 @@ class WorkerRuntime:
     def module(self, mid: int) -> torch.nn.Module:
         m = self._modules.get(mid)
         if m is None:
-            m = _Unpickler(self._module_blobs[mid], self).load()
-            var_of = {id(self.params[v]): v for v in self._module_vars.get(mid, []) if v in self.params}
+            m = _Unpickler(self.defs.module_blobs[mid], self).load()
+            var_of = {id(self.params[v]): v for v in self.defs.module_vars.get(mid, []) if v in self.params}
             for sub in m.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
                     sub.register_forward_pre_hook(self._fresh_hook)
@@ -294,24 +287,22 @@ class WorkerRuntime:
                     if vid is not None and self.specs[vid].row_path:
                         sub.forward = _RowLookup(self, sub, vid)
             self._modules[mid] = m
-        self.active.update(self._module_vars.get(mid, []))
+        self.active.update(self.defs.module_vars.get(mid, []))
         return m
 
     def optimizer(self, oid: int) -> WorkerOptimizer:
         opt = self._optimizers.get(oid)
         if opt is None:
-            opt = WorkerOptimizer(self, oid, self._opt_defs[oid])
+            opt = WorkerOptimizer(self, oid, self.defs.optimizers[oid])
             self._optimizers[oid] = opt
-        self.active.update(v for _, vids in self._opt_defs[oid] for v in vids)
+        self.active.update(v for _, vids in self.defs.optimizers[oid] for v in vids)
         return opt
 
     def iterator(self, iid: int):
         it = self._iterators.get(iid)
         if it is None:
-            fn = pickle.loads(self._dataset_fns[self._iter_defs[iid]])
-            ctx = WorkerInputContext(self.num_workers, self.worker_index)
-            dataset = fn(ctx) if _takes_argument(fn) else fn()
-            it = iter(dataset)
+            fn = pickle.loads(self.defs.dataset_fns[self.defs.iter_datasets[iid]])
+            it = iter(fn(PerWorkerInputContext(self.worker_index, self.num_workers)))
             self._iterators[iid] = it
         return it
 
@@ -475,28 +466,6 @@ class WorkerRuntime:
 
 
 def _dumps_exception(exc: BaseException) -> bytes:
-    import cloudpickle
-
     blob = cloudpickle.dumps(exc)
     pickle.loads(blob)  # make sure it round-trips here, not on the other side
     return blob
-
-
-def _takes_argument(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
-
-
-def _detach(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_detach(x) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    return obj
