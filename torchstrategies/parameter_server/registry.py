@@ -16,6 +16,7 @@ import pickle
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -58,8 +59,8 @@ class _FunctionInArguments(Exception):
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file, registry: Registry, root: Any = None, pwv: list[PerWorkerValues] | None = None,
-                 arguments_only: bool = False):
+    def __init__(self, file, registry: Registry, root: torch.nn.Module | None = None,
+                 pwv: list[PerWorkerValues] | None = None, arguments_only: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.registry = registry
         self.root = root            # structure mode: the module being described, pickled by value
@@ -229,7 +230,7 @@ class Registry:
         for ps, (h, ts) in by_ps.items():
             self._ps_call(ps, h, ts)
 
-    def create_variable(self, initial_value: Any, synchronization: Any = None, aggregation: Any = None,
+    def create_variable(self, initial_value: object, synchronization: object = None, aggregation: object = None,
                         trainable: bool = False, name: str | None = None) -> PSVariable:
         """A variable on the next ps (round-robin), never partitioned."""
         with self.lock:
@@ -389,19 +390,22 @@ class Registry:
             return True                   # its per-worker value is pickled when the closure is sent
         return v is self.strategy
 
-    def dumps(self, obj: Any) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
+    def dumps(self, obj: object) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
         buf = io.BytesIO()
         pickler = _Pickler(buf, self)
         pickler.dump(obj)
         return buf.getvalue(), pickler.refs, pickler.pwv
 
-    def dumps_closure(self, fn: Any, args: tuple, kwargs: dict) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
+    def dumps_closure(self, fn: Callable[..., object], args: tuple,
+                      kwargs: dict) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
         """``dumps((fn, args, kwargs))``, reusing the pickle of ``fn`` from the :class:`FunctionCache`.
 
         A cached function travels inside the closure's pickle as a persistent id ``("fn", its pickle)``,
         which the worker unpickles in place (with the same references); the arguments are pickled every time.
         """
         cache = self.function_cache
+        if not isinstance(fn, types.FunctionType):   # partials, bound methods, callable objects
+            return self.dumps((fn, args, kwargs))
         fingerprint = cache.fingerprint(fn)
         if fingerprint is None:
             return self.dumps((fn, args, kwargs))

@@ -28,8 +28,8 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
 
+from torchstrategies.cluster_resolver import ClusterResolver
 from torchstrategies.errors import UnavailableError
 from torchstrategies.parameter_server.ps_service import ParameterStore
 from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
@@ -178,7 +178,7 @@ class Server:
         self._done.set()
 
 
-def _bind_host(resolver: Any, task_type: str, task_id: int) -> str:
+def _bind_host(resolver: ClusterResolver, task_type: str, task_id: int) -> str:
     """The host this task's server binds: its cluster-spec entry, else its address towards the rendezvous."""
     override = os.environ.get("TORCHSTRATEGIES_PS_HOST")
     if override:
