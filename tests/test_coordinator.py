@@ -112,27 +112,19 @@ def _scenarios(strategy):
     out["after_error"] = coordinator.schedule(_double, args=(21,)).fetch()
 
     # The pending error is raised by the next schedule instead (once), and done() raises it too.
-    bad = coordinator.schedule(_boom)
-    try:
-        bad.fetch()
-    except ValueError:
-        pass
-    try:
-        coordinator.schedule(_double, args=(1,))
-        out["schedule_error"] = None
-    except ValueError as e:
-        out["schedule_error"] = str(e)
-    coordinator.join()
-    bad = coordinator.schedule(_boom)
-    try:
-        bad.fetch()
-    except ValueError:
-        pass
-    try:
-        coordinator.done()
-        out["done_error"] = None
-    except ValueError as e:
-        out["done_error"] = str(e)
+    for key, call in (("schedule_error", lambda: coordinator.schedule(_double, args=(1,))),
+                      ("done_error", coordinator.done)):
+        bad = coordinator.schedule(_boom)
+        try:
+            bad.fetch()
+        except ValueError:
+            pass
+        try:
+            call()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+        coordinator.join()
     out["done_cleared"] = coordinator.done()
 
     # Bad inputs.

@@ -61,20 +61,26 @@ def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, h
         strategy.shutdown()
 
 
-def _worker_dies_mid_closure(strategy, pid_dir):
+def _steps_hitting_worker_1(strategy, sig):
+    """Schedules STEPS counter steps (each lowers the weight by 1 and returns ``(i, rank)``); worker 1 (rank
+    3) sends itself ``sig`` (SIGKILL: dies, SIGSTOP: freezes) inside its first closure."""
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
     model, opt, _ = counter_model(strategy)
 
     def step(i):
         time.sleep(0.2)
-        if os.environ["RANK"] == "3":                   # worker 1 dies inside its first closure
-            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ["RANK"] == "3":
+            os.kill(os.getpid(), sig)
         opt.zero_grad()
         model(torch.ones(1, 1)).sum().backward()
         opt.step()                                     # weight -= 1
         return i, os.environ["RANK"]
 
-    rvs = [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    return coordinator, model, opt, [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+
+
+def _worker_dies_mid_closure(strategy, pid_dir):
+    coordinator, model, _, rvs = _steps_hitting_worker_1(strategy, signal.SIGKILL)
     coordinator.join()
     return {"results": [rv.fetch() for rv in rvs], "weight": float(model.weight.detach().reshape(()))}
 
@@ -185,19 +191,7 @@ def _pid(pid_dir, name):
 
 
 def _frozen_worker_then_frozen_ps(strategy, pid_dir):
-    coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
-
-    def step(i):
-        time.sleep(0.2)
-        if os.environ["RANK"] == "3":                   # worker 1 freezes inside its first closure
-            os.kill(os.getpid(), signal.SIGSTOP)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-        return i, os.environ["RANK"]
-
-    rvs = [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    coordinator, model, opt, rvs = _steps_hitting_worker_1(strategy, signal.SIGSTOP)
     coordinator.join()                                 # returns although worker 1 is frozen, not dead
     weight = float(model.weight.detach().reshape(()))
     requeued = coordinator._queue.requeued
