@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _ps_bodies import assert_no_process_left
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -237,9 +238,7 @@ def _cluster(rank, world_size, body):
 def observed():
     results = run_ranks(_cluster, 4, args=(_scenarios,), init_process_group=False, timeout=150)
     assert results[1:] == ["ps", "worker", "worker"]          # every server returned after the shutdown
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-    assert leftovers == []
+    assert_no_process_left()
     return results[0]
 
 

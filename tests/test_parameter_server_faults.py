@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from _ps_bodies import counter_model
+from _ps_bodies import assert_no_process_left, counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -32,12 +32,6 @@ psutil = pytest.importorskip("psutil", reason="needs psutil, from the test extra
 os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789abcdef")   # the launch sets it
 
 STEPS = 12
-
-
-def _no_leftover_processes():
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-    assert leftovers == []
 
 
 def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, hb=(1.0, None)):
@@ -131,7 +125,7 @@ def worker_then_ps(tmp_path_factory):
     pid_dir = str(tmp_path_factory.mktemp("pids"))
     results = run_ranks(_cluster, 4, args=(_worker_then_ps_die, pid_dir), init_process_group=False,
                         timeout=150, expect_failure=[1, 3])
-    _no_leftover_processes()
+    assert_no_process_left()
     return results
 
 
@@ -181,7 +175,7 @@ def test_servers_exit_when_the_chief_crashes(tmp_path):
     assert results[0] is None
     for status, message, _ in results[1:]:
         assert status == "unavailable" and "chief" in message
-    _no_leftover_processes()
+    assert_no_process_left()
 
 
 # ---- frozen tasks (SIGSTOP) -------------------------------------------------------------------------------
@@ -243,7 +237,7 @@ def test_frozen_worker_is_requeued_and_frozen_ps_is_reported_by_name(tmp_path):
     for name in ("schedule", "done"):
         assert chief[name] is not None and "ps:0" in chief[name], name
     assert results[2][0] == "ok"                                 # the healthy worker was shut down
-    _no_leftover_processes()
+    assert_no_process_left()
 
 
 def _chief_freezes(strategy, pid_dir):
@@ -269,4 +263,4 @@ def test_servers_leave_when_the_chief_freezes(tmp_path):
     for status, message, left_at in results[1:]:
         assert status == "unavailable" and "chief" in message
         assert left_at < killed_at                    # they left because it froze, before it was killed
-    _no_leftover_processes()
+    assert_no_process_left()

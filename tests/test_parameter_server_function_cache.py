@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from _ps_bodies import serve_or_train
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -307,15 +308,7 @@ def _chief_body(strategy):
 
 
 def _cluster(rank, world_size):
-    resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=1)
-    if resolver.task_type != "chief":
-        ts.distribute.Server(resolver, timeout=60, lease_timeout=30).join()
-        return resolver.task_type
-    strategy = ts.ParameterServerStrategy(resolver, timeout=30)
-    try:
-        return _chief_body(strategy)
-    finally:
-        strategy.shutdown()
+    return serve_or_train(ts.cluster_resolver.TorchrunClusterResolver(num_ps=1), _chief_body, timeout=30)
 
 
 @pytest.mark.timeout(200)
