@@ -21,7 +21,6 @@ import signal
 import time
 
 import pytest
-import torch
 from _ps_bodies import assert_no_process_left, counter_model
 from harness import run_ranks
 
@@ -59,18 +58,24 @@ def _steps_hitting_worker_1(strategy, sig):
     """Schedules STEPS counter steps (each lowers the weight by 1 and returns ``(i, rank)``); worker 1 (rank
     3) sends itself ``sig`` (SIGKILL: dies, SIGSTOP: freezes) inside its first closure."""
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
+    model, _, counter_step = counter_model(strategy)
 
     def step(i):
         time.sleep(0.2)
         if os.environ["RANK"] == "3":
             os.kill(os.getpid(), sig)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()                                     # weight -= 1
+        counter_step()                                 # weight -= 1
         return i, os.environ["RANK"]
 
-    return coordinator, model, opt, [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    return coordinator, model, counter_step, [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+
+
+def _slowly(counter_step):
+    """The counter step after a 50 ms pause (so that closures are in flight when a task is hit)."""
+    def slow_step():
+        time.sleep(0.05)
+        counter_step()
+    return slow_step
 
 
 def _worker_dies_mid_closure(strategy, pid_dir):
@@ -81,14 +86,8 @@ def _worker_dies_mid_closure(strategy, pid_dir):
 
 def _ps_dies(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
-
-    def step():
-        time.sleep(0.05)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
+    _, _, counter_step = counter_model(strategy)
+    step = _slowly(counter_step)
     for _ in range(4):
         coordinator.schedule(step)
     coordinator.join()
@@ -185,19 +184,13 @@ def _pid(pid_dir, name):
 
 
 def _frozen_worker_then_frozen_ps(strategy, pid_dir):
-    coordinator, model, opt, rvs = _steps_hitting_worker_1(strategy, signal.SIGSTOP)
+    coordinator, model, counter_step, rvs = _steps_hitting_worker_1(strategy, signal.SIGSTOP)
     coordinator.join()                                 # returns although worker 1 is frozen, not dead
     weight = float(model.weight.detach().reshape(()))
     requeued = coordinator._queue.requeued
     out = {"worker": {"results": [rv.fetch() for rv in rvs], "weight": weight, "requeued": requeued}}
     os.kill(_pid(pid_dir, "worker1"), signal.SIGKILL)
-
-    def slow_step():
-        time.sleep(0.05)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
+    slow_step = _slowly(counter_step)
     for _ in range(10):
         coordinator.schedule(slow_step)
     ps_pid = _pid(pid_dir, "ps0")
