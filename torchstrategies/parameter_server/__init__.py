@@ -15,7 +15,8 @@ Two layers; a module imports only from its own layer or a lower one, never back 
   and the closure pickler; ``closure_cache.py``: pickles a scheduled function once (it is given
   ``Registry.is_reference``, it does not import the registry).
 * ``server.py``: ``Server``, what a ps or worker task runs: ``ps_service.py`` (a ps's shards and optimizers)
-  or ``worker_runtime.py`` (a worker running closures against them).
+  or ``worker_runtime.py`` (a worker running closures against them; ``worker_channels.py``: its
+  channels to the ps tasks).
 * Values: ``remote_value.py`` (``RemoteValue``, ``PerWorkerValues``), ``per_worker_input.py`` (per-worker
   datasets and iterators, what ``dataset_fn`` is told), ``variables.py`` (``PSVariable``), ``specs.py``
   (where a variable's shards live).

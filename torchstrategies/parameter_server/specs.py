@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -10,7 +10,7 @@ import torch
 __all__ = ["PsCall", "ShardSpec", "VarSpec", "split_rows"]
 
 # One request to a ps task: ``(ps index, header, tensors) -> (reply header, reply tensors)``.
-PsCall = Callable[[int, dict, Sequence[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
+PsCall = Callable[[int, dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import contextlib
 import io
 import logging
 import pickle
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,14 +31,13 @@ import cloudpickle
 import torch
 import torch.nn.functional as F
 
-from torchstrategies.errors import CancelledError, UnavailableError
+from torchstrategies.errors import CancelledError
 from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
 from torchstrategies.parameter_server.remote_value import map_tensors
-from torchstrategies.parameter_server.rpc.auth import TASK
-from torchstrategies.parameter_server.rpc.client import RpcClient
-from torchstrategies.parameter_server.rpc.transport import RemoteError, call_abandoned
+from torchstrategies.parameter_server.rpc.transport import call_abandoned
 from torchstrategies.parameter_server.specs import VarSpec, split_rows
 from torchstrategies.parameter_server.variables import PSVariable
+from torchstrategies.parameter_server.worker_channels import PsChannels
 
 __all__ = ["JobDefinitions", "WorkerOptimizer", "WorkerRuntime"]
 
@@ -193,16 +191,14 @@ class JobDefinitions:
 
 
 class WorkerRuntime:
-    """State of one worker task: ps connections, module replicas, iterators, and the current closure."""
+    """State of one worker task: what the chief sent (:class:`JobDefinitions`), the objects built from it
+(parameters, module replicas, optimizers, variables, iterators), the current closure's parameters, and
+the channels to the ps tasks (:class:`PsChannels`)."""
 
     def __init__(self, server):
-        self.server = server
         self.worker_index = server.task_id
         self.num_workers = 1
-        self.timeout = server.timeout
-        self.ps_addresses: list[tuple[str, str]] = []  # (address, instance) per ps, from the chief
-        self._clients: dict[int, RpcClient] = {}
-        self._clients_lock = threading.Lock()
+        self.ps = PsChannels(server.auth, server.timeout)
         self.defs = JobDefinitions()
         self.specs = self.defs.specs          # read on every pull and push
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -221,20 +217,17 @@ class WorkerRuntime:
     def handle(self, header: dict, tensors) -> tuple[dict, list]:
         op = header["op"]
         if op == "setup":
-            self.ps_addresses = [(str(a), str(i)) for a, i in header["ps"]]
             self.worker_index = header["worker_index"]
             self.num_workers = header["num_workers"]
-            self.timeout = header.get("timeout", self.timeout)
+            self.ps.setup([(str(a), str(i)) for a, i in header["ps"]], self.worker_index,
+                          header.get("timeout", self.ps.timeout))
             return {}, []
         if op == "exec":
             return self._exec(header), []
         raise ValueError(f"worker: unknown request {op!r}")
 
     def close(self) -> None:
-        with self._clients_lock:
-            for c in self._clients.values():
-                c.close()
-            self._clients.clear()
+        self.ps.close()
 
     def _exec(self, header: dict) -> dict:
         """Runs one closure. Exec is a chief-only method: the interceptor checked the caller's credentials
@@ -270,7 +263,7 @@ class WorkerRuntime:
     def variable(self, vid: int) -> PSVariable:
         var = self._variables.get(vid)
         if var is None:
-            var = PSVariable(self.call_ps, self.specs[vid])
+            var = PSVariable(self.ps.call, self.specs[vid])
             self._variables[vid] = var
         return var
 
@@ -307,49 +300,6 @@ class WorkerRuntime:
         return it
 
     # ---- ps traffic ------------------------------------------------------------------------------
-    def _client(self, ps: int) -> RpcClient:
-        with self._clients_lock:
-            c = self._clients.get(ps)
-            if c is None or c.broken:
-                if c is not None and c.broken:
-                    raise UnavailableError(f"ps:{ps} is unavailable (an earlier request failed)")
-                if ps >= len(self.ps_addresses):
-                    raise UnavailableError(f"worker {self.worker_index} was not told where ps:{ps} is")
-                address, instance = self.ps_addresses[ps]
-                c = RpcClient(address, f"ps:{ps}", self.timeout, self.server.auth, TASK, instance=instance,
-                              hello={"op": "hello"})
-                self._clients[ps] = c
-            return c
-
-    def call_ps(self, ps: int, header: dict, tensors=None):
-        client = self._client(ps)
-        try:
-            return client.call(header, tensors)
-        except RemoteError as e:
-            raise e.exc from None
-
-    def _fan_out(self, requests: dict[int, tuple[dict, list]]) -> dict[int, tuple[dict, list]]:
-        """Sends one request per ps, in parallel when there are several."""
-        if len(requests) <= 1:
-            return {ps: self.call_ps(ps, h, t) for ps, (h, t) in requests.items()}
-        results: dict[int, Any] = {}
-        errors: list[BaseException] = []
-
-        def run(ps, h, t):
-            try:
-                results[ps] = self.call_ps(ps, h, t)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(ps, h, t)) for ps, (h, t) in requests.items()]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
-
     def pull(self, vids) -> None:
         dense = [v for v in vids if not self.specs[v].row_path]
         if not dense:
@@ -358,7 +308,7 @@ class WorkerRuntime:
         for v in dense:
             for i, sh in enumerate(self.specs[v].shards):
                 by_ps[sh.ps].append((v, i, sh.key))
-        replies = self._fan_out({ps: ({"op": "pull", "keys": [k for _, _, k in items]}, [])
+        replies = self.ps.fan_out({ps: ({"op": "pull", "keys": [k for _, _, k in items]}, [])
                                  for ps, items in by_ps.items()})
         parts: dict[tuple[int, int], torch.Tensor] = {}
         for ps, items in by_ps.items():
@@ -384,7 +334,7 @@ class WorkerRuntime:
         by_ps: dict[int, list] = defaultdict(list)
         for shard, pos, local in split_rows(spec, ids):
             by_ps[shard.ps].append((shard.key, pos, local))
-        replies = self._fan_out({ps: ({"op": "pull_rows", "keys": [k for k, _, _ in items]},
+        replies = self.ps.fan_out({ps: ({"op": "pull_rows", "keys": [k for k, _, _ in items]},
                                       [local for _, _, local in items]) for ps, items in by_ps.items()})
         out = torch.empty((ids.numel(), *spec.shape[1:]), dtype=spec.dtype)
         for ps, items in by_ps.items():
@@ -444,7 +394,7 @@ class WorkerRuntime:
                 for sh in spec.shards:
                     add(sh.ps, sh.key, "dense", [g[sh.start:sh.stop]])
         if requests:
-            self._fan_out(requests)
+            self.ps.fan_out(requests)
         self.stale.update(stepped_dense)
 
     def _write_back_assignments(self) -> None:
@@ -462,7 +412,7 @@ class WorkerRuntime:
                 h["keys"].append(sh.key)
                 ts.append(p.detach()[sh.start:sh.stop] if spec.sharded else p.detach())
             self._seen_version[v] = p._version
-        self._fan_out(by_ps)
+        self.ps.fan_out(by_ps)
 
 
 def _dumps_exception(exc: BaseException) -> bytes:
