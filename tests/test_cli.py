@@ -190,6 +190,21 @@ def test_bench_train_without_plot_function_says_not_available(monkeypatch, tmp_p
     assert "not available in this build: torchstrategies.bench.train.plot" in r.output
 
 
+def test_bench_train_ps_passes_its_options_under_the_modules_names(monkeypatch):
+    calls = cli_fakes.install(monkeypatch, "train-ps")
+    args = ["bench", "train-ps", "--nproc", "5", "--num-ps", "2", "--steps", "3", "--repeats", "2", "--batch-size", "8"]
+    r = invoke(args + ["--markdown"])
+    assert r.exit_code == 0, r.output
+    assert calls["train-ps"] == [{"nproc": 5, "num_ps": 2, "steps": 3, "rounds": 2, "batch": 8}]
+    assert "| ps-async | 5.00 |" in r.output  # --markdown: the same table as Markdown
+    assert invoke(["bench", "train-ps"]).exit_code == 0
+    assert calls["train-ps"][1] == {"nproc": 4, "num_ps": 1, "steps": 100, "rounds": 3, "batch": 64}
+
+
+def test_bench_train_ps_needs_a_worker_beside_the_chief_and_the_ps():
+    assert invoke(["bench", "train-ps", "--nproc", "2"]).exit_code == 2  # below the chief, 1 ps and 1 worker
+
+
 @pytest.mark.parametrize(
     "cmd", [["bench", "kernels"], ["bench", "allreduce", "--nproc", "2"], ["bench", "train", "--nproc", "2"]]
 )
