@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from torchstrategies.bench.tf_baseline import TFBaseline
     from torchstrategies.distribute.distribute_lib import Strategy
 
-__all__ = ["run", "rows", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN", "COLUMNS"]
+__all__ = ["run", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN", "COLUMNS"]
 
 OVERHEAD_SIZES = (64, 64, 10)
 COMPILE_BATCH = 64
@@ -117,7 +117,7 @@ def _time(step: Callable[[], None], steps: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def rows(
+def run(
     steps: int = 200,
     warmup: int = 20,
     rounds: int = 3,
@@ -125,8 +125,8 @@ def rows(
     threads: int | None = None,
     tf_python: str | None = None,
     tf_inter_op: int | None = None,
-) -> list[dict[str, Any]]:
-    """Measures the in-process rows; returns them in ``bench/train.py``'s table shape plus extra columns.
+) -> BenchResult:
+    """Measures the in-process rows (``torchstrategies bench inproc``; ``bench train`` appends them).
 
     Args:
         steps / warmup / rounds: timed steps (the compile group times ``steps // 10``), untimed steps and
@@ -136,6 +136,9 @@ def rows(
             TF's intra-op threads are the same number.
         tf_python: a Python executable with TensorFlow: adds TF's rows to the compile group (None: no TF).
         tf_inter_op: TF inter-op threads; None gives one per replica (``TFBaseline``'s default).
+
+    Returns:
+        A BenchResult with :data:`COLUMNS` (and :data:`TF_COLUMN` with ``tf_python``), one row per case.
 
     Raises:
         ValueError: ``tf_python`` without the compile group.
@@ -149,36 +152,17 @@ def rows(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        used = torch.get_num_threads()
         if tf_python is None:
-            return _rows(steps, warmup, rounds, groups, None)
-        from torchstrategies.bench.tf_baseline import TFBaseline
+            out = _rows(steps, warmup, rounds, groups, None)
+        else:
+            from torchstrategies.bench.tf_baseline import TFBaseline
 
-        with TFBaseline(tf_python, replicas=2, threads=torch.get_num_threads(), inter_op=tf_inter_op,
-                        sizes=COMPILE_SIZES, batch=COMPILE_BATCH, lr=LR) as tf:
-            return _rows(steps, warmup, rounds, groups, tf)
+            with TFBaseline(tf_python, replicas=2, threads=used, inter_op=tf_inter_op, sizes=COMPILE_SIZES,
+                            batch=COMPILE_BATCH, lr=LR) as tf:
+                out = _rows(steps, warmup, rounds, groups, tf)
     finally:
         torch.set_num_threads(before)
-
-
-def run(
-    steps: int = 200,
-    warmup: int = 20,
-    rounds: int = 3,
-    groups: Sequence[str] = ("overhead", "compile"),
-    threads: int | None = None,
-    tf_python: str | None = None,
-    tf_inter_op: int | None = None,
-) -> BenchResult:
-    """The rows of :func:`rows` as a table (``torchstrategies bench inproc``); the arguments are the same.
-
-    Raises:
-        ValueError: ``tf_python`` without the compile group.
-        TFBaselineError: the TF process failed.
-    """
-    import torch
-
-    out = rows(steps, warmup, rounds, groups, threads, tf_python, tf_inter_op)
-    used = threads if threads is not None else torch.get_num_threads()
     notes = [f"median of {rounds} interleaved rounds; {used} torch thread(s); overhead rows: MLP 64-64-10, "
              "global batch 32, overhead = '(step - plain torch step on the same N batch slices) / N replicas'; "
              f"compiled rows: MLP {'-'.join(map(str, COMPILE_SIZES))}, global batch {COMPILE_BATCH}, model "
