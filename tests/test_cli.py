@@ -362,38 +362,32 @@ def real_results(tmp_path_factory):
 @_needs("torchstrategies.bench.kernels")
 @pytest.mark.timeout(300)
 def test_real_bench_kernels_tiny(real_results):
-    r, js, png = real_results["kernels"]
-    assert r.exit_code == 0, r.output
-    data = json.loads(js.read_text())
-    assert {(row["N"], row["elements"]) for row in data["rows"]} == {
-        (2, 1024),
-        (3, 1024),
-        (2, 4096),
-        (3, 4096),
-    }
-    assert "accumulate_n" in r.output and "tree_reduce" in r.output
-    assert_png(png)
+    output, rows = _real_rows(real_results, "kernels")
+    assert {(row["N"], row["elements"]) for row in rows} == {(2, 1024), (3, 1024), (2, 4096), (3, 4096)}
+    assert "accumulate_n" in output and "tree_reduce" in output
 
 
 @_needs("torchstrategies.bench.allreduce")
 @pytest.mark.timeout(300)
 def test_real_bench_allreduce_tiny(real_results):
-    r, js, png = real_results["allreduce"]
-    assert r.exit_code == 0, r.output
-    rows = json.loads(js.read_text())["rows"]
-    assert rows and "gloo" in r.output.lower()
-    assert_png(png)
+    output, rows = _real_rows(real_results, "allreduce")
+    assert rows and "gloo" in output.lower()
 
 
 @_needs("torchstrategies.bench.train")
 @pytest.mark.timeout(300)
 def test_real_bench_train_tiny(real_results):
-    r, js, png = real_results["train"]
-    assert r.exit_code == 0, r.output
-    rows = json.loads(js.read_text())["rows"]
+    _, rows = _real_rows(real_results, "train")
     names = " ".join(str(v) for row in rows for v in row.values()).lower()
     assert "ddp" in names and "parameterserver" in names.replace(" ", "").replace("_", "")
+
+
+def _real_rows(real_results, name: str) -> tuple[str, list[dict]]:
+    """The output and JSON rows of a real bench run; it exited 0 and drew its PNG."""
+    r, js, png = real_results[name]
+    assert r.exit_code == 0, r.output
     assert_png(png)
+    return r.output, json.loads(js.read_text())["rows"]
 
 
 @pytest.mark.timeout(300)

@@ -37,6 +37,7 @@ __all__ = [
     "nproc_option",
     "sizes_option",
     "repeats_option",
+    "count_option",
     "output_options",
 ]
 
@@ -220,7 +221,13 @@ def sizes_option(flag: str, dest: str, help: str) -> Callable[[F], F]:
 
 def repeats_option(help: str = "Timed repetitions per point.") -> Callable[[F], F]:
     """``--repeats K``; left at None so the bench module's own default applies."""
-    return click.option("--repeats", type=click.IntRange(1), default=None, help=help)
+    return count_option("--repeats", "repeats", help)
+
+
+def count_option(flag: str, dest: str, help: str, multiple: bool = False) -> Callable[[F], F]:
+    """A whole number >= 1 into ``dest`` (repeatable with ``multiple``); unset, it stays None (or ``()``) so
+    the bench module's own default applies."""
+    return click.option(flag, dest, type=click.IntRange(1), multiple=multiple, default=None, help=help)
 
 
 def output_options(fn: F) -> F:

@@ -19,6 +19,7 @@ import click
 from torchstrategies.cli._common import (
     NotAvailable,
     call_with_supported,
+    count_option,
     emit_result,
     load_module,
     nproc_option,
@@ -119,23 +120,12 @@ def bench() -> None:
 
 
 @bench.command()
-@click.option(
-    "--n",
-    "n",
-    type=click.IntRange(1),
-    multiple=True,
-    help="Number of tensors summed (repeat: --n 2 --n 8). Default: the module's (2, 4, 8, 16).",
-)
+@count_option("--n", "n", "Number of tensors summed (repeat: --n 2 --n 8). Default: the module's (2, 4, 8, 16).",
+              multiple=True)
 @sizes_option("--size", "kernel_sizes", "Elements per tensor, e.g. 64K, 1M, 16M (repeat for several).")
 @repeats_option()
-@click.option(
-    "--threads",
-    "threads",
-    type=click.IntRange(1),
-    multiple=True,
-    help="torch thread count to measure every row at (repeat: --threads 1 --threads 4). Default: 1 and "
-    "torch's default.",
-)
+@count_option("--threads", "threads", "torch thread count to measure every row at (repeat: --threads 1 --threads "
+              "4). Default: 1 and torch's default.", multiple=True)
 @output_options
 @click.pass_context
 def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, **_) -> None:
@@ -158,15 +148,10 @@ def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, **_
     "hierarchical, dist-backend, loopback-roofline).",
 )
 @repeats_option("Interleaved rounds; the median over them is reported (default 3).")
-@click.option(
-    "--simulate-hosts",
-    "simulate_hosts",
-    type=click.IntRange(1),
-    default=None,
-    help="Split the ranks into H simulated hosts (TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive "
-    "ranks each; H must divide --nproc), so HIERARCHICAL runs SHM inside a host and its inter-host "
-    "stage between them. SHM rows are refused then.",
-)
+@count_option("--simulate-hosts", "simulate_hosts", "Split the ranks into H simulated hosts "
+              "(TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive ranks each; H must divide --nproc), so "
+              "HIERARCHICAL runs SHM inside a host and its inter-host stage between them. SHM rows are refused "
+              "then.")
 @output_options
 @click.pass_context
 def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, progress, **_) -> None:
@@ -188,14 +173,8 @@ def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate
 
 def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
     """``--tf-python`` and ``--tf-inter-op``: the TF rows of ``bench train`` and ``bench inproc``."""
-    fn = click.option(
-        "--tf-inter-op",
-        "tf_inter_op",
-        type=click.IntRange(1),
-        default=None,
-        help="TF inter-op threads for the TF rows (default: one per replica; intra-op is the torch thread "
-        "count).",
-    )(fn)
+    fn = count_option("--tf-inter-op", "tf_inter_op", "TF inter-op threads for the TF rows (default: one per "
+                      "replica; intra-op is the torch thread count).")(fn)
     return click.option(
         "--tf-python",
         "tf_python",
@@ -215,8 +194,8 @@ def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
     multiple=True,
     help="Strategy / implementation row to include (repeat). Default: all the module knows.",
 )
-@click.option("--steps", type=click.IntRange(1), default=None, help="Training steps timed per row.")
-@click.option("--batch-size", type=click.IntRange(1), default=None, help="Batch size per rank.")
+@count_option("--steps", "steps", "Training steps timed per row.")
+@count_option("--batch-size", "batch_size", "Batch size per rank.")
 @repeats_option("Timed rounds per row.")
 @click.option(
     "--parameter-server/--no-parameter-server",
@@ -245,9 +224,9 @@ def train(
 
 @bench.command("train-ps")
 @nproc_option("Processes to launch: the chief, --num-ps parameter servers and the rest workers.", 3, 4)
-@click.option("--num-ps", type=click.IntRange(1), default=None, help="Parameter servers (default 1).")
-@click.option("--steps", type=click.IntRange(1), default=None, help="Scheduled steps timed per round.")
-@click.option("--batch-size", type=click.IntRange(1), default=None, help="Batch per step (default 64).")
+@count_option("--num-ps", "num_ps", "Parameter servers (default 1).")
+@count_option("--steps", "steps", "Scheduled steps timed per round.")
+@count_option("--batch-size", "batch_size", "Batch per step (default 64).")
 @repeats_option("Rounds; the median over them is reported (default 3).")
 @output_options
 @click.pass_context
@@ -260,7 +239,7 @@ def train_ps(ctx: click.Context, nproc, num_ps, steps, batch_size, repeats, prog
 
 
 @bench.command()
-@click.option("--steps", type=click.IntRange(1), default=None, help="Timed steps (the compile rows: a tenth).")
+@count_option("--steps", "steps", "Timed steps (the compile rows: a tenth).")
 @repeats_option("Interleaved rounds; the median over them is reported (default 3).")
 @click.option(
     "--group",
@@ -269,9 +248,7 @@ def train_ps(ctx: click.Context, nproc, num_ps, steps, batch_size, repeats, prog
     multiple=True,
     help="Only these row groups (repeat). Default: both.",
 )
-@click.option(
-    "--threads", type=click.IntRange(1), default=None, help="torch intra-op threads (default: torch's)."
-)
+@count_option("--threads", "threads", "torch intra-op threads (default: torch's).")
 @_tf_options
 @output_options
 @click.pass_context

@@ -18,6 +18,7 @@ import click
 
 from torchstrategies.cli._common import (
     NotAvailable,
+    count_option,
     module_available,
     nproc_option,
     repeats_option,
@@ -171,9 +172,7 @@ def _sources(
 
 @click.command()
 @nproc_option("Ranks for the all-reduce run.", minimum=2)
-@click.option(
-    "--n", "n", type=click.IntRange(1), multiple=True, help="Tensors summed by the kernels (repeat)."
-)
+@count_option("--n", "n", "Tensors summed by the kernels (repeat).", multiple=True)
 @sizes_option("--kernel-size", "kernel_sizes", "Elements per tensor for the kernels (repeat), e.g. 64K, 16M.")
 @sizes_option("--message-size", "message_sizes", "All-reduce message size in bytes (repeat), e.g. 4KiB, 64MiB.")
 @repeats_option()
