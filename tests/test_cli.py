@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from tests import cli_fakes
 from torchstrategies.cli import main
-from torchstrategies.cli._common import format_size, parse_size
+from torchstrategies.cli._common import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -58,11 +58,6 @@ def test_parse_size_accepts_binary_units(text, expected):
 def test_parse_size_rejects_non_sizes_naming_the_value(bad):
     with pytest.raises(ValueError, match="size"):
         parse_size(bad)
-
-
-def test_format_size_round_trips_through_parse_size():
-    for n in (512, 4096, 65536, 1 << 20, 3 << 20, 1 << 30):
-        assert parse_size(format_size(n)) == n
 
 
 # ---------------------------------------------------------------- bench wiring (stand-in modules)

@@ -30,7 +30,6 @@ __all__ = [
     "module_available",
     "call_with_supported",
     "parse_size",
-    "format_size",
     "SizeType",
     "SIZE_UNITS",
     "emit_result",
@@ -102,16 +101,6 @@ def parse_size(text: object) -> int:
     if value != int(value):
         raise ValueError(f"not a whole size: {text!r}")
     return int(value)
-
-
-def format_size(n: float, unit: str = "") -> str:
-    """4096 -> ``"4K"`` (``"4KiB"`` with unit ``"iB"``): the largest binary unit that divides evenly-ish."""
-    for suffix, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= factor:
-            v = n / factor
-            text = f"{v:.0f}" if abs(v - round(v)) < 1e-9 else f"{v:.3g}"
-            return f"{text}{suffix}{unit}"
-    return f"{int(n)}" + ("B" if unit else "")
 
 
 class SizeType(click.ParamType):
