@@ -33,26 +33,15 @@ if TYPE_CHECKING:
 
 __all__ = ["bench", "run_bench"]
 
-# CLI option -> parameter names a bench module's run() may use for it, first preferred.
+# CLI option -> the parameter names a bench module's run() may take it as, first preferred, where they differ
+# from the option's own name (repeats: kernels' "repeats", the others' interleaved "rounds").
 ALIASES: dict[str, tuple[str, ...]] = {
-    "n": ("ns", "n_values", "num_tensors", "n"),
-    "kernel_sizes": ("sizes", "numels", "elements", "sizes_elements"),
-    "message_sizes": ("sizes", "sizes_bytes", "message_sizes", "nbytes"),
-    "impls": ("implementations", "impls", "implementation"),
-    "strategies": ("strategies", "strategy"),
-    "nproc": ("nproc", "world_size", "nproc_per_node"),
-    "simulate_hosts": ("simulate_hosts",),
-    "repeats": ("repeats", "rounds", "reps", "iters"),
-    "threads": ("threads",),
-    "steps": ("steps", "num_steps", "iters"),
-    "num_ps": ("num_ps",),
-    "groups": ("groups",),
-    "batch_size": ("batch_size", "batch", "per_rank_batch_size"),
-    "progress": ("progress",),
-    "parameter_server": ("parameter_server",),
-    "in_process": ("in_process",),
-    "tf_python": ("tf_python",),
-    "tf_inter_op": ("tf_inter_op",),
+    "n": ("ns",),
+    "kernel_sizes": ("sizes",),
+    "message_sizes": ("sizes",),
+    "impls": ("implementations",),
+    "repeats": ("repeats", "rounds"),
+    "batch_size": ("batch",),
 }
 
 BENCH_MODULES = {
@@ -67,7 +56,8 @@ BENCH_MODULES = {
 def run_bench(
     name: str, options: dict[str, object], explicit: AbstractSet[str], soft: AbstractSet[str] = frozenset()
 ) -> tuple[BenchResult, ModuleType]:
-    """Runs bench ``name`` with ``options`` (keys of ALIASES); returns ``(result, module)``.
+    """Runs bench ``name`` with ``options`` (the CLI option names; ALIASES maps them to ``run``'s); returns
+    ``(result, module)``.
 
     Keys in ``explicit`` must be accepted by the module's ``run``; keys in ``soft`` (and ``progress``) are
     passed only if it accepts them; the others are left to the module's defaults.
@@ -85,7 +75,7 @@ def run_bench(
         mode: bool | None = (
             None if key == "progress" or (key in soft and key not in explicit) else key in explicit
         )
-        opts.append((flag, ALIASES[key], value, mode))
+        opts.append((flag, ALIASES.get(key, (key,)), value, mode))
     try:
         result = call_with_supported(run, f"{module.__name__}.run", opts)
     except click.ClickException:
