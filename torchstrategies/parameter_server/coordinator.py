@@ -79,14 +79,15 @@ class _WorkerHandle:
                 self.client.close()             # frozen or dead: wait for the task to come back
                 q.set_live(self.index, False)
                 self.c._worker_lost_at(self.index)
-            if self.client is None or self.client.broken:
+            client = self.client
+            if client is None or client.broken:
                 if not self._connect():
                     time.sleep(0.5)
-                    continue
+                continue                        # connected: the next pass takes a closure
             closure = q.get(self.index)
             if closure is None:
                 continue
-            self._process(closure)
+            self._process(closure, client)
 
     def _connect(self) -> bool:
         s = self.c.strategy
@@ -111,7 +112,7 @@ class _WorkerHandle:
         self.c._queue.set_live(self.index, True)
         return True
 
-    def _process(self, closure: _Closure) -> None:
+    def _process(self, closure: _Closure, client: RpcClient) -> None:
         q = self.c._queue
         try:
             header = {
@@ -125,13 +126,13 @@ class _WorkerHandle:
             q.mark_failed(exc)
             return
         try:
-            reply, _ = self.client.call(header, timeout=None, abort=self.lost)
+            reply, _ = client.call(header, timeout=None, abort=self.lost)
         except (UnavailableError, DeadlineExceededError, CancelledError) as exc:
             if self.c._stopped:
                 closure.mark_cancelled()
                 return
             log.warning("worker:%d failed while running a closure (%s); the closure is re-queued", self.index, exc)
-            self.client.close()
+            client.close()
             q.set_live(self.index, False)
             self.c._worker_lost_at(self.index)
             q.put_back(closure)

@@ -132,7 +132,7 @@ class Registry:
         self.partitioner = partitioner
         self.lock = threading.RLock()
         self.specs: dict[int, VarSpec] = {}
-        self.params: dict[int, torch.nn.Parameter] = {}
+        self.params: dict[int, torch.Tensor] = {}      # the chief's own copy of each placed parameter
         self.param_vid: dict[int, int] = {}
         self.recorded_version: dict[int, int] = {}
         self.scope_params: dict[int, torch.Tensor] = {}     # id -> param created under scope()

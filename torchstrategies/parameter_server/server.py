@@ -86,11 +86,11 @@ class Server:
         self._lock = threading.Lock()
         self._rpc: RpcServer | None = None
         self.auth = JobAuth.from_env()
+        self.params: ParameterStore | None = None     # a ps task's shards and optimizers
+        self._runtime: WorkerRuntime | None = None    # a worker task's closures
         if task_type == "ps":
             self.params = ParameterStore()
-            self._runtime = None
         else:
-            self.params = None
             self._runtime = WorkerRuntime(self)
         if start:
             self.start()
@@ -162,7 +162,9 @@ class Server:
             return {}, []
         if self.params is not None:
             return self.params.handle(header, tensors, encode)
-        return self._runtime.handle(header, tensors)
+        if self._runtime is not None:
+            return self._runtime.handle(header, tensors)
+        raise ValueError(f"{self.task_type}:{self.task_id}: unknown request {op!r}")
 
     def _on_watch_end(self, role: str) -> None:
         """Runs on a gRPC thread when a Watch stream ends: must not block."""

@@ -115,7 +115,13 @@ class ParameterServerStrategy(Strategy):
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat", daemon=True)
         self._hb_thread.start()
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+        def shutdown_at_exit() -> None:
+            strategy = ref()
+            if strategy is not None:
+                strategy.shutdown()
+
+        atexit.register(shutdown_at_exit)
 
     def _check_arguments(self, cluster_resolver, variable_partitioner, max_staleness) -> None:
         """Sets the cluster's sizes; raises ValueError for a task that is not the chief or a bad argument."""

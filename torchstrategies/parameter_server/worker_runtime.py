@@ -278,7 +278,7 @@ the channels to the ps tasks (:class:`PsChannels`)."""
                 if isinstance(sub, torch.nn.Embedding):
                     vid = var_of.get(id(sub.weight))
                     if vid is not None and self.specs[vid].row_path:
-                        sub.forward = _RowLookup(self, sub, vid)
+                        sub.forward = _RowLookup(self, sub, vid)  # type: ignore[method-assign]  # this replica only
             self._modules[mid] = m
         self.active.update(self.defs.module_vars.get(mid, []))
         return m
@@ -376,8 +376,8 @@ the channels to the ps tasks (:class:`PsChannels`)."""
                 ids = torch.cat([r[0] for r in recs])
                 vals = torch.cat([r[1] for r in recs])
                 if len(recs) > 1:
-                    g = torch.sparse_coo_tensor(ids.unsqueeze(0), vals, spec.shape).coalesce()
-                    ids, vals = g.indices()[0], g.values()
+                    merged = torch.sparse_coo_tensor(ids.unsqueeze(0), vals, spec.shape).coalesce()
+                    ids, vals = merged.indices()[0], merged.values()
                 add_rows(spec, ids, vals)
                 continue
             p = self.param(v)
