@@ -23,17 +23,36 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
 from torchstrategies.distribute.values import PerReplica, regroup
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
-
 T = TypeVar("T")
+
+
+class _InputExtended(Protocol):
+    """What the distributed input needs of a ``StrategyExtended`` (its replicas and input hooks)."""
+
+    _replica_id_offset: int
+
+    @property
+    def _num_local_replicas(self) -> int: ...
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]: ...
+    def _input_workers(self) -> tuple[int, int]: ...
+    def _input_max_over_pipelines(self, values: list[int]) -> list[int]: ...
+
+
+class _InputStrategy(Protocol):
+    """What the distributed input needs of a ``Strategy``."""
+
+    @property
+    def extended(self) -> _InputExtended: ...
+    @property
+    def num_replicas_in_sync(self) -> int: ...
 
 __all__ = [
     "InputContext",
@@ -170,7 +189,7 @@ class DistributedIterator:
 class DistributedDataset:
     """Global batches split across replicas (what ``experimental_distribute_dataset`` returns)."""
 
-    def __init__(self, strategy: Strategy, dataset: Iterable[object], options: InputOptions | None = None):
+    def __init__(self, strategy: _InputStrategy, dataset: Iterable[object], options: InputOptions | None = None):
         if not hasattr(dataset, "__iter__"):
             raise TypeError(
                 f"experimental_distribute_dataset expects an iterable of batches, got {dataset!r}"
@@ -239,7 +258,7 @@ class DistributedDatasetsFromFunction:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: _InputStrategy,
         dataset_fn: Callable[[InputContext], Iterable[object]],
         options: InputOptions | None = None,
     ):
@@ -298,7 +317,7 @@ class DistributedDatasetsFromFunction:
             step += 1
             yield _wrap(outs)
 
-    def _agreed_steps(self, ext: StrategyExtended, local: int) -> int | None:
+    def _agreed_steps(self, ext: _InputExtended, local: int) -> int | None:
         """The epoch's step count when every pipeline's iterable has a ``len()`` (None otherwise)."""
         try:
             n = len(self._dataset)  # type: ignore[arg-type]
