@@ -19,9 +19,7 @@ import sys
 import time
 
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 try:
@@ -30,13 +28,7 @@ except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torchstrategies as ts
 
-
-def load(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
-    return TensorDataset(xtr, ytr), TensorDataset(xte, yte)
+from mirrored_digits import load  # noqa: E402  (same directory: the same split of the digits)
 
 
 def _single_worker_env() -> None:

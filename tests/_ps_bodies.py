@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
+
+import torchstrategies as ts
 
 
 def counter_model(strategy) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -23,3 +26,25 @@ def counter_model(strategy) -> tuple[torch.nn.Module, torch.optim.Optimizer, Cal
         opt.step()
 
     return model, opt, step
+
+
+def serve_or_train(resolver, body, **strategy_kwargs):
+    """What each rank of a parameter-server test cluster runs: a ps or worker task serves until the chief
+    shuts the cluster down and returns its task type; the chief runs ``body(strategy)`` on a
+    ``ParameterServerStrategy(resolver, **strategy_kwargs)`` and shuts the cluster down."""
+    if resolver.task_type != "chief":
+        ts.distribute.Server(resolver, timeout=60, lease_timeout=30).join()
+        return resolver.task_type
+    strategy = ts.ParameterServerStrategy(resolver, **strategy_kwargs)
+    try:
+        return body(strategy)
+    finally:
+        strategy.shutdown()
+
+
+def assert_no_process_left() -> None:
+    """No child process of the test (but multiprocessing's resource tracker) outlived the cluster."""
+    psutil = pytest.importorskip("psutil", reason="needs psutil, from the test extra: pip install -e '.[test]'")
+    leftovers = [p for p in psutil.Process().children(recursive=True)
+                 if "resource_tracker" not in " ".join(p.cmdline())]
+    assert leftovers == []

@@ -82,6 +82,15 @@ def make_train(calls: list) -> types.ModuleType:
     return mod
 
 
+def make_train_ps(calls: list) -> types.ModuleType:
+    def run(nproc=4, num_ps=1, steps=100, rounds=3, batch=64, progress=True):
+        calls.append({"nproc": nproc, "num_ps": num_ps, "steps": steps, "rounds": rounds, "batch": batch})
+        rows = [{"runner": "single-process", "steps/s": 10.0}, {"runner": "ps-async", "steps/s": 5.0}]
+        return BenchResult("ps throughput", ["runner", "steps/s"], rows)
+
+    return _module("torchstrategies.bench.train_ps", run)
+
+
 def _module(name: str, run) -> types.ModuleType:
     mod = types.ModuleType(name)
     mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
@@ -92,7 +101,7 @@ def _module(name: str, run) -> types.ModuleType:
 
 def install(monkeypatch, *names: str) -> dict[str, list]:
     """Puts fake bench modules into sys.modules (restored after the test); returns their call logs."""
-    makers = {"kernels": make_kernels, "allreduce": make_allreduce, "train": make_train}
+    makers = {"kernels": make_kernels, "allreduce": make_allreduce, "train": make_train, "train-ps": make_train_ps}
     calls: dict[str, list] = {}
     for n in names:
         calls[n] = []

@@ -67,7 +67,7 @@ def _grpc_stream(address: str, method: str, body: bytes, token: str | None) -> s
     status code of a stream the server did not open."""
     import grpc
 
-    from torchstrategies.strategies.parameter_server import wire
+    from torchstrategies.parameter_server.rpc import wire
 
     md = (("x-ts-auth", token),) if token is not None else None
     with grpc.insecure_channel(address) as ch:
@@ -140,7 +140,7 @@ PS_STREAM = "/torchstrategies.ps.v1.ParameterServer/Stream"
 
 def main(spec: dict) -> dict:
     sys.path.insert(0, spec["root"])
-    from torchstrategies.strategies.parameter_server import wire
+    from torchstrategies.parameter_server.rpc import wire
 
     marker = spec["marker"]
     evil = pickle.dumps(_CreatesFile(marker))

@@ -200,7 +200,7 @@ def stale(spec: dict) -> dict:
     sys.stdin.readline()  # the chief has had its chance to use the replayed entry
     relay.stop(0)
     evil = pickle.dumps(_CreatesFile(spec["marker"]))
-    from torchstrategies.strategies.parameter_server import wire
+    from torchstrategies.parameter_server.rpc import wire
 
     evil_exec = wire.encode({"op": "exec", "closure": evil, "defs": evil})
     tried: dict[str, str] = {}

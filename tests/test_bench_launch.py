@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from torchstrategies.bench.launch import run_torchrun
+from torchstrategies.bench.launch import job_env, run_job, run_torchrun, worker_spec
 
 # 200 KB on stderr before any stdout: more than a pipe buffer holds, so a piped stderr would block.
 _CHATTY = ("import sys; sys.stderr.write('x' * 200_000 + 'LAST-ERR'); sys.stderr.flush(); "
@@ -31,3 +31,16 @@ def test_a_job_past_its_timeout_is_stopped_and_named():
     cmd = [sys.executable, "-c", "import sys, time; sys.stderr.write('STILL-HERE'); sys.stderr.flush(); time.sleep(50)"]
     with pytest.raises(RuntimeError, match=r"(?s)t: torchrun did not finish within 1 s:.*STILL-HERE"):
         run_torchrun(cmd, dict(os.environ), total=1, desc="t", progress=False, timeout=1)
+
+
+def test_worker_spec_reads_back_what_run_job_passes():
+    assert worker_spec(["--spec", '{"steps": 3}', "--json", "/tmp/out.json"]) == ({"steps": 3}, "/tmp/out.json")
+
+
+@pytest.mark.timeout(60)
+def test_run_job_names_a_job_that_wrote_no_results(monkeypatch):
+    import torchstrategies.bench.launch as launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: None)  # a job that "succeeds" silently
+    with pytest.raises(RuntimeError, match="t: the job wrote no results"):
+        run_job("some.module", 2, [], job_env(), total=1, desc="t", progress=False)

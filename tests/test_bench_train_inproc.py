@@ -10,7 +10,7 @@ from torchstrategies.bench import train_inproc
 
 @pytest.mark.timeout(120)
 def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhead_column():
-    rows = train_inproc.rows(steps=2, warmup=1, rounds=1, groups=("overhead",))
+    rows = train_inproc.run(steps=2, warmup=1, rounds=1, groups=("overhead",)).rows
     names = [r["runner"] for r in rows]
     assert names == [
         "in-process overhead: torch",
@@ -21,7 +21,7 @@ def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhe
         "in-process overhead: Mirrored(2)",
         "in-process overhead: Mirrored(3)",
     ]
-    assert all("overhead us/replica" not in r for r in rows[:3])
+    assert all(r["overhead us/replica"] == "" for r in rows[:3])  # the references have no overhead
     by = {r["runner"]: r for r in rows}
     for r in rows[3:]:
         assert isinstance(r["overhead us/replica"], float)
@@ -32,3 +32,28 @@ def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhe
     assert m2["overhead us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch, 2 slices"]) / 2)
     assert m2["above 1-pass torch us/replica"] == pytest.approx(1e3 * (ms["Mirrored(2)"] - ms["torch"]) / 2)
     assert all(r["samples/s"] > 0 and r["ms/step"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_bench_inproc_command_prints_the_rows_as_one_table(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from torchstrategies.cli import main
+
+    out = tmp_path / "inproc.json"
+    args = ["bench", "inproc", "--group", "overhead", "--steps", "2", "--repeats", "1", "--threads", "1",
+            "--no-progress", "--json", str(out)]
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["columns"] == train_inproc.COLUMNS
+    assert [row["runner"] for row in data["rows"]][3:] == [
+        "in-process overhead: OneDevice",
+        "in-process overhead: Mirrored(1)",
+        "in-process overhead: Mirrored(2)",
+        "in-process overhead: Mirrored(3)",
+    ]
+    assert all(isinstance(row["overhead us/replica"], float) for row in data["rows"][3:])
+    assert data["meta"]["groups"] == ["overhead"] and "1 torch thread(s)" in data["title"]

@@ -6,6 +6,8 @@ is the sum of the global gradients since the last zero_grad, counted once each (
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -34,15 +36,22 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.5)
 
 
+def _step(model, opt, x, y, zero: bool):
+    """One training step, after a zero_grad when the pattern says so for this step (``zero``)."""
+    if zero:
+        opt.zero_grad()
+    loss = _loss(model, x, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _reference(pattern: str) -> list[torch.Tensor]:
     model = make_model(0).double()
     opt = _optimizer(model.parameters())
     xs, ys = _data()
     for s in range(STEPS):
-        if PATTERNS[pattern](s):
-            opt.zero_grad()
-        _loss(model, xs[s], ys[s]).backward()
-        opt.step()
+        _step(model, opt, xs[s], ys[s], PATTERNS[pattern](s))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -51,15 +60,7 @@ def _train_in_process(strategy, pattern: str) -> list[torch.Tensor]:
         model = make_model(0).double()
         opt = _optimizer(model.parameters())
     xs, ys = _data()
-
-    def step(x, y, zero):
-        if zero:
-            opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = functools.partial(_step, model, opt)
     batches = list(zip(xs, ys, strict=True))
     for s, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
         strategy.run(step, args=(x, y, PATTERNS[pattern](s)))
@@ -95,15 +96,7 @@ def _mwms_body(rank, world):
             model = make_model(rank).double()  # rank 0's values reach every rank through the broadcast
             opt = _optimizer(model.parameters())
         xs, ys = _data()
-
-        def step(x, y, zero_now, model=model, opt=opt):
-            if zero_now:
-                opt.zero_grad()
-            loss = _loss(model, x, y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = functools.partial(_step, model, opt)
         for s in range(STEPS):
             strategy.run(step, args=(shard(xs[s], rank, world), shard(ys[s], rank, world), zero(s)))
         out[pattern] = [p.detach().clone().numpy() for p in model.parameters()]

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from tests import cli_fakes
 from torchstrategies.cli import main
-from torchstrategies.cli._common import format_size, parse_size
+from torchstrategies.cli._common import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -58,11 +58,6 @@ def test_parse_size_accepts_binary_units(text, expected):
 def test_parse_size_rejects_non_sizes_naming_the_value(bad):
     with pytest.raises(ValueError, match="size"):
         parse_size(bad)
-
-
-def test_format_size_round_trips_through_parse_size():
-    for n in (512, 4096, 65536, 1 << 20, 3 << 20, 1 << 30):
-        assert parse_size(format_size(n)) == n
 
 
 # ---------------------------------------------------------------- bench wiring (stand-in modules)
@@ -188,6 +183,21 @@ def test_bench_train_without_plot_function_says_not_available(monkeypatch, tmp_p
     assert "mwms" in r.output  # the table printed before the plot step
     assert r.exit_code == 1
     assert "not available in this build: torchstrategies.bench.train.plot" in r.output
+
+
+def test_bench_train_ps_passes_its_options_under_the_modules_names(monkeypatch):
+    calls = cli_fakes.install(monkeypatch, "train-ps")
+    args = ["bench", "train-ps", "--nproc", "5", "--num-ps", "2", "--steps", "3", "--repeats", "2", "--batch-size", "8"]
+    r = invoke(args + ["--markdown"])
+    assert r.exit_code == 0, r.output
+    assert calls["train-ps"] == [{"nproc": 5, "num_ps": 2, "steps": 3, "rounds": 2, "batch": 8}]
+    assert "| ps-async | 5.00 |" in r.output  # --markdown: the same table as Markdown
+    assert invoke(["bench", "train-ps"]).exit_code == 0
+    assert calls["train-ps"][1] == {"nproc": 4, "num_ps": 1, "steps": 100, "rounds": 3, "batch": 64}
+
+
+def test_bench_train_ps_needs_a_worker_beside_the_chief_and_the_ps():
+    assert invoke(["bench", "train-ps", "--nproc", "2"]).exit_code == 2  # below the chief, 1 ps and 1 worker
 
 
 @pytest.mark.parametrize(
@@ -347,38 +357,32 @@ def real_results(tmp_path_factory):
 @_needs("torchstrategies.bench.kernels")
 @pytest.mark.timeout(300)
 def test_real_bench_kernels_tiny(real_results):
-    r, js, png = real_results["kernels"]
-    assert r.exit_code == 0, r.output
-    data = json.loads(js.read_text())
-    assert {(row["N"], row["elements"]) for row in data["rows"]} == {
-        (2, 1024),
-        (3, 1024),
-        (2, 4096),
-        (3, 4096),
-    }
-    assert "accumulate_n" in r.output and "tree_reduce" in r.output
-    assert_png(png)
+    output, rows = _real_rows(real_results, "kernels")
+    assert {(row["N"], row["elements"]) for row in rows} == {(2, 1024), (3, 1024), (2, 4096), (3, 4096)}
+    assert "accumulate_n" in output and "tree_reduce" in output
 
 
 @_needs("torchstrategies.bench.allreduce")
 @pytest.mark.timeout(300)
 def test_real_bench_allreduce_tiny(real_results):
-    r, js, png = real_results["allreduce"]
-    assert r.exit_code == 0, r.output
-    rows = json.loads(js.read_text())["rows"]
-    assert rows and "gloo" in r.output.lower()
-    assert_png(png)
+    output, rows = _real_rows(real_results, "allreduce")
+    assert rows and "gloo" in output.lower()
 
 
 @_needs("torchstrategies.bench.train")
 @pytest.mark.timeout(300)
 def test_real_bench_train_tiny(real_results):
-    r, js, png = real_results["train"]
-    assert r.exit_code == 0, r.output
-    rows = json.loads(js.read_text())["rows"]
+    _, rows = _real_rows(real_results, "train")
     names = " ".join(str(v) for row in rows for v in row.values()).lower()
     assert "ddp" in names and "parameterserver" in names.replace(" ", "").replace("_", "")
+
+
+def _real_rows(real_results, name: str) -> tuple[str, list[dict]]:
+    """The output and JSON rows of a real bench run; it exited 0 and drew its PNG."""
+    r, js, png = real_results[name]
+    assert r.exit_code == 0, r.output
     assert_png(png)
+    return r.output, json.loads(js.read_text())["rows"]
 
 
 @pytest.mark.timeout(300)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _ps_bodies import assert_no_process_left
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -112,27 +113,19 @@ def _scenarios(strategy):
     out["after_error"] = coordinator.schedule(_double, args=(21,)).fetch()
 
     # The pending error is raised by the next schedule instead (once), and done() raises it too.
-    bad = coordinator.schedule(_boom)
-    try:
-        bad.fetch()
-    except ValueError:
-        pass
-    try:
-        coordinator.schedule(_double, args=(1,))
-        out["schedule_error"] = None
-    except ValueError as e:
-        out["schedule_error"] = str(e)
-    coordinator.join()
-    bad = coordinator.schedule(_boom)
-    try:
-        bad.fetch()
-    except ValueError:
-        pass
-    try:
-        coordinator.done()
-        out["done_error"] = None
-    except ValueError as e:
-        out["done_error"] = str(e)
+    for key, call in (("schedule_error", lambda: coordinator.schedule(_double, args=(1,))),
+                      ("done_error", coordinator.done)):
+        bad = coordinator.schedule(_boom)
+        try:
+            bad.fetch()
+        except ValueError:
+            pass
+        try:
+            call()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+        coordinator.join()
     out["done_cleared"] = coordinator.done()
 
     # Bad inputs.
@@ -245,9 +238,7 @@ def _cluster(rank, world_size, body):
 def observed():
     results = run_ranks(_cluster, 4, args=(_scenarios,), init_process_group=False, timeout=150)
     assert results[1:] == ["ps", "worker", "worker"]          # every server returned after the shutdown
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-    assert leftovers == []
+    assert_no_process_left()
     return results[0]
 
 
@@ -317,7 +308,7 @@ def test_server_rejects_chief_role_and_strategy_rejects_non_chief():
     chief = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="chief", task_id=0)
     worker = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=0)
     with pytest.raises(ValueError, match="chief"):
-        ts.strategies.parameter_server.Server(chief, start=False)
+        ts.distribute.Server(chief, start=False)
     with pytest.raises(ValueError, match="Server"):
         ts.ParameterServerStrategy(worker)
     no_ps = ts.cluster_resolver.SimpleClusterResolver({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:3"]},

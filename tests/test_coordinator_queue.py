@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from torchstrategies.errors import CancelledError, UnavailableError
-from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
-from torchstrategies.strategies.parameter_server.remote_value import RemoteValue, RemoteValueStatus
-from torchstrategies.strategies.parameter_server.rendezvous import store_prefix
+from torchstrategies.parameter_server.closure_queue import ClosureQueue
+from torchstrategies.parameter_server.remote_value import RemoteValue, RemoteValueStatus
+from torchstrategies.parameter_server.rpc.rendezvous import store_prefix
 
 os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789abcdef")   # the launch sets it
 
@@ -143,7 +143,7 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
     from harness import free_port
 
     import torchstrategies as ts
-    from torchstrategies.strategies.parameter_server import Server
+    from torchstrategies.parameter_server import Server
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 3, True, datetime.timedelta(seconds=10), wait_for_workers=False)
@@ -153,8 +153,8 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
 
 
 def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
-    from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+    from torchstrategies.parameter_server.rpc.client import RpcClient
 
     store, server = _in_process_server("ps", lease_timeout=1.0)
     address = store.get(f"{store_prefix()}/addr/ps/0").decode().split("|")[0]
@@ -166,8 +166,8 @@ def test_server_gives_up_when_the_chief_stops_sending_heartbeats():
 
 
 def test_server_join_returns_after_shutdown_and_raises_when_the_chief_disconnects():
-    from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+    from torchstrategies.parameter_server.rpc.client import RpcClient
 
     store, server = _in_process_server("worker", lease_timeout=30.0)
     address = store.get(f"{store_prefix()}/addr/worker/0").decode().split("|")[0]

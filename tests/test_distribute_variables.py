@@ -7,13 +7,10 @@ import pytest
 import torch
 
 import torchstrategies as ts
+from tests._mirrored_common import replica_id as _rid
 from torchstrategies.distribute.variables import MirroredVariable, SyncOnReadVariable
 
 AGG = ts.VariableAggregation
-
-
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
 
 
 @pytest.fixture

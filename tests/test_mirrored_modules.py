@@ -9,10 +9,26 @@ import pytest
 import torch
 
 import torchstrategies as ts
+from tests._mirrored_common import replica_id as _rid
 
 
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One training step with the sum of ``model(x)`` as the loss."""
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+
+
+def _scalar_model_at_zero() -> tuple[ts.MirroredStrategy, torch.nn.Linear, torch.optim.Optimizer]:
+    """Two replicas and, made in their scope, a 1x1 linear map at weight 0 and SGD with lr 1: one step
+    leaves minus the summed gradient in the weight."""
+    s = ts.MirroredStrategy(num_replicas=2)
+    with s.scope():
+        lin = torch.nn.Linear(1, 1, bias=False)
+        opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    with torch.no_grad():
+        lin.weight.fill_(0.0)
+    return s, lin, opt
 
 
 def test_parameters_and_buffers_created_in_scope_are_replicated():
@@ -61,10 +77,7 @@ def test_optimizer_step_in_run_sums_gradients_updates_once_and_keeps_replicas_id
     opt.register_step_pre_hook(lambda *a: step_calls.append(1))
 
     def fn():
-        opt.zero_grad()
-        x = torch.full((1, 2), float(_rid() + 1))
-        lin(x).sum().backward()
-        opt.step()
+        _train_step(lin, opt, torch.full((1, 2), float(_rid() + 1)))
         return lin.weight.detach().clone()
 
     after = s.experimental_local_results(s.run(fn))
@@ -83,34 +96,20 @@ def test_optimizer_state_is_kept_once_on_the_primary():
     with s.scope():
         lin = torch.nn.Linear(3, 2)
         opt = torch.optim.Adam(lin.parameters(), lr=0.1)
-
-    def fn():
-        opt.zero_grad()
-        lin(torch.ones(2, 3)).sum().backward()
-        opt.step()
-
-    s.run(fn)
-    s.run(fn)
+    for _ in range(2):
+        s.run(lambda: _train_step(lin, opt, torch.ones(2, 3)))
     assert len(opt.state) == 2 and set(map(id, opt.state)) == {id(lin.weight), id(lin.bias)}
     assert all(int(st["step"]) == 2 for st in opt.state.values())
 
 
 def test_step_with_closure_inside_run_is_rejected():
-    s = ts.MirroredStrategy(num_replicas=2)
-    with s.scope():
-        lin = torch.nn.Linear(1, 1)
-        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    s, _, opt = _scalar_model_at_zero()
     with pytest.raises(ValueError, match="closure"):
         s.run(lambda: opt.step(lambda: 0.0))
 
 
 def test_step_outside_run_aggregates_replica_gradients():
-    s = ts.MirroredStrategy(num_replicas=2)
-    with s.scope():
-        lin = torch.nn.Linear(1, 1, bias=False)
-        opt = torch.optim.SGD(lin.parameters(), lr=1.0)
-    with torch.no_grad():
-        lin.weight.fill_(0.0)
+    s, lin, opt = _scalar_model_at_zero()
     s.run(lambda: lin(torch.full((1, 1), float(_rid() + 1))).sum().backward())
     opt.step()  # cross-replica context
     assert float(lin.weight.detach()) == -3.0
@@ -164,12 +163,7 @@ def test_deepcopy_gives_a_plain_module():
 
 
 def test_clip_grad_norm_inside_run_acts_on_the_replica_gradients():
-    s = ts.MirroredStrategy(num_replicas=2)
-    with s.scope():
-        lin = torch.nn.Linear(1, 1, bias=False)
-        opt = torch.optim.SGD(lin.parameters(), lr=1.0)
-    with torch.no_grad():
-        lin.weight.fill_(0.0)
+    s, lin, opt = _scalar_model_at_zero()
 
     def fn():
         opt.zero_grad()
@@ -188,14 +182,8 @@ def test_optimizer_created_outside_scope_is_refused_inside_run():
     with s.scope():
         lin = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-
-    def fn():
-        opt.zero_grad()
-        lin(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
     with pytest.raises(RuntimeError, match="created outside `with strategy.scope\\(\\):`"):
-        s.run(fn)
+        s.run(lambda: _train_step(lin, opt, torch.ones(1, 1)))
 
 
 def test_tied_weights_stay_one_parameter_and_lazy_modules_are_left_alone():

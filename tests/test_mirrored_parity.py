@@ -9,64 +9,16 @@ import pytest
 import torch
 
 import torchstrategies as ts
-
-K_STEPS = 3
-
-
-def _make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
-
-
-def _batches(global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(global_batch, 5, generator=g, dtype=torch.float64),
-            torch.randn(global_batch, 2, generator=g, dtype=torch.float64),
-        )
-        for _ in range(K_STEPS)
-    ]
-
-
-def _make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.Adam(params, lr=0.01)
-
-
-def _train(strategy, opt_name: str, batches) -> list[torch.Tensor]:
-    if strategy is None:
-        model = _make_model()
-        opt = _make_optimizer(opt_name, model.parameters())
-    else:
-        with strategy.scope():
-            model = _make_model()
-            opt = _make_optimizer(opt_name, model.parameters())
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = ts.compute_average_loss((model(x) - y).pow(2).sum(1))
-        loss.backward()
-        opt.step()
-        return loss
-
-    if strategy is None:
-        for x, y in batches:
-            step(x, y)
-    else:
-        for x, y in strategy.experimental_distribute_dataset(batches):
-            strategy.run(step, args=(x, y))
-    return [p.detach().clone() for p in model.parameters()]
+from tests._mirrored_common import batches, make_model, train
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {(b, o): _train(None, o, _batches(b)) for b, o in itertools.product((12, 10), ("sgd", "adam"))}
+    return {(b, o): train(None, o, batches(b)) for b, o in itertools.product((12, 10), ("sgd", "adam"))}
 
 
 def _assert_same(got, ref):
-    init = [p.detach() for p in _make_model().parameters()]
+    init = [p.detach() for p in make_model().parameters()]
     # training really moved the weights
     assert any(not torch.allclose(r, i) for r, i in zip(ref, init, strict=False))
     for g, r in zip(got, ref, strict=False):
@@ -81,7 +33,7 @@ def test_mirrored_replicas_match_single_device_training(references, method, repl
     s = ts.MirroredStrategy(
         num_replicas=replicas, cross_device_ops=ts.ReductionToOneDevice(accumulation_fn=method)
     )
-    _assert_same(_train(s, opt_name, _batches(global_batch)), references[(global_batch, opt_name)])
+    _assert_same(train(s, opt_name, batches(global_batch)), references[(global_batch, opt_name)])
 
 
 @pytest.mark.parametrize("method", list(ts.AggregationMethod)[:3], ids=lambda m: m.name)
@@ -90,7 +42,7 @@ def test_central_storage_matches_single_device_training(references, method, opt_
     s = ts.CentralStorageStrategy(
         ["cpu:0", "cpu:1", "cpu:2"], "cpu", cross_device_ops=ts.ReductionToOneDevice("cpu", method)
     )
-    _assert_same(_train(s, opt_name, _batches(12)), references[(12, opt_name)])
+    _assert_same(train(s, opt_name, batches(12)), references[(12, opt_name)])
 
 
 def test_callable_accumulation_fn_and_one_device_match_too(references):
@@ -101,6 +53,6 @@ def test_callable_accumulation_fn_and_one_device_match_too(references):
         return torch.stack(tensors).sum(0)
 
     s = ts.MirroredStrategy(num_replicas=2, cross_device_ops=ts.ReductionToOneDevice(accumulation_fn=my_sum))
-    _assert_same(_train(s, "adam", _batches(12)), references[(12, "adam")])
+    _assert_same(train(s, "adam", batches(12)), references[(12, "adam")])
     assert calls and set(calls) == {2}
-    _assert_same(_train(ts.OneDeviceStrategy("cpu"), "sgd", _batches(12)), references[(12, "sgd")])
+    _assert_same(train(ts.OneDeviceStrategy("cpu"), "sgd", batches(12)), references[(12, "sgd")])

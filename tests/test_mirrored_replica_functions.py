@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import torchstrategies as ts
+from tests._mirrored_common import average_loss
 
 B = 6  # global batch: 3 or 2 examples per replica
 LR = 0.1
@@ -80,10 +81,7 @@ class _Training:
             )
         self.opt.zero_grad()
         per_example = (self.model(x) - y).pow(2).sum(1)
-        if self.strategy is None:
-            loss = per_example.sum() / B
-        else:
-            loss = ts.compute_average_loss(per_example, global_batch_size=B)
+        loss = average_loss(self.strategy, per_example, B)
         loss.backward(create_graph=self.create_graph)
         return loss
 

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 import torchstrategies as ts
-
-
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
+from tests._mirrored_common import all_but_one_merge
+from tests._mirrored_common import replica_id as _rid
 
 
 def _record_merge(seen):
@@ -23,6 +21,19 @@ def _record_merge(seen):
         return value
 
     return merge_fn
+
+
+def _recording_exits(body, exited):
+    """``body`` as a replica function that appends each replica's id to ``exited`` as the replica leaves it,
+    returning or raising (a stopped replica unwinds its function)."""
+
+    def fn():
+        try:
+            return body()
+        finally:
+            exited.append(_rid())
+
+    return fn
 
 
 def _seen():
@@ -36,16 +47,13 @@ def test_a_replica_that_syncs_after_replica_0_finished_without_syncing_is_named(
     finished = []
 
     def only_replica_2_syncs():
-        try:
-            if _rid() == 2:
-                ts.get_replica_context().all_reduce("sum", torch.ones(1))
-        finally:
-            finished.append(_rid())  # replica 2 is stopped: it unwinds its function
+        if _rid() == 2:
+            ts.get_replica_context().all_reduce("sum", torch.ones(1))
         return _rid()
 
     with pytest.raises(RuntimeError, match=r"different number of replica_context\(\)\.merge_call\(\) calls: "
                        r"replicas \[0, 1\] finished while replicas \[2\] wait in merge_call\(.*all_reduce"):
-        s.run(only_replica_2_syncs)
+        s.run(_recording_exits(only_replica_2_syncs, finished))  # replica 2 is stopped: it unwinds
     assert sorted(finished) == [0, 1, 2]
     assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)  # still usable
 
@@ -70,14 +78,8 @@ def test_the_mismatch_error_wins_even_when_a_replica_swallows_it():
 @pytest.mark.timeout(30)
 def test_a_replica_that_finishes_while_replica_0_waits_in_merge_call_is_named():
     s = ts.MirroredStrategy(num_replicas=3)
-
-    def replica_1_skips():
-        if _rid() != 1:
-            ts.get_replica_context().merge_call(lambda strategy: None)
-        return 0
-
     with pytest.raises(RuntimeError, match=r"replicas \[1\] finished while replicas \[0, 2\] wait in merge_call"):
-        s.run(replica_1_skips)
+        s.run(all_but_one_merge(skipper=1))
     assert s.experimental_local_results(s.run(_rid)) == (0, 1, 2)
 
 
@@ -117,13 +119,10 @@ def test_a_failing_merge_or_replica_raises_its_error_and_the_strategy_stays_usab
     unwound = []
 
     def failing_merge():
-        try:
-            ts.get_replica_context().merge_call(lambda strategy: {}["key"])
-        finally:
-            unwound.append(_rid())
+        ts.get_replica_context().merge_call(lambda strategy: {}["key"])
 
     with pytest.raises(KeyError, match="key"):
-        s.run(failing_merge)
+        s.run(_recording_exits(failing_merge, unwound))
     assert sorted(unwound) == [0, 1, 2]
 
     def replica_2_fails():

@@ -7,11 +7,9 @@ import pytest
 import torch
 
 import torchstrategies as ts
+from tests._mirrored_common import all_but_one_merge
+from tests._mirrored_common import replica_id as _rid
 from torchstrategies.distribute.values import Mirrored, PerReplica
-
-
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
 
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda n: f"{n}rep")
@@ -95,16 +93,10 @@ def test_run_propagates_replica_exception():
 @pytest.mark.timeout(30)
 def test_different_merge_call_counts_raise_runtime_error_not_hang():
     s = ts.MirroredStrategy(num_replicas=3)
-
-    def fn():
-        if _rid() != 2:
-            ts.get_replica_context().merge_call(lambda strategy: None)
-        return 0
-
     with pytest.raises(
         RuntimeError, match="different number of replica_context\\(\\).merge_call\\(\\) calls"
     ):
-        s.run(fn)
+        s.run(all_but_one_merge(skipper=2))
 
 
 def test_merge_call_groups_arguments_and_returns_each_replica_its_part():

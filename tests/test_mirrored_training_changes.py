@@ -19,13 +19,11 @@ import torch
 from torch import nn
 
 import torchstrategies as ts
+from tests._mirrored_common import average_loss
+from tests._mirrored_common import replica_id as _rid
 
 B = 8  # global batch: 4 examples per replica
 LR = 0.1
-
-
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
 
 
 class _Net(nn.Module):
@@ -75,10 +73,7 @@ class _Trainer:
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.opt.zero_grad()
         per_example = (self.model(x) - y).pow(2).sum(1)
-        if self.strategy is None:
-            loss = per_example.sum() / B
-        else:
-            loss = ts.compute_average_loss(per_example, global_batch_size=B)
+        loss = average_loss(self.strategy, per_example, B)
         loss.backward()
         self.opt.step()
 

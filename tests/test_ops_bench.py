@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ from click.testing import CliRunner
 
 from torchstrategies.bench import kernels
 from torchstrategies.bench.report import BenchResult
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_run_returns_one_row_per_thread_count_case_and_method() -> None:
@@ -85,22 +82,19 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_script_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import runpy
+def test_cli_prints_markdown_and_writes_json(tmp_path: Path) -> None:
+    """What benchmarks/kernels.py did before it was folded into the command: --markdown beside --json."""
+    from torchstrategies.cli import main
 
     out = tmp_path / "k.json"
-    argv = ["kernels.py", "--ns", "2", "--sizes", "1000", "--repeats", "1", "--threads", "1,2", "--no-progress",
-            "--markdown", "--json", str(out)]
-    old = sys.argv
-    try:
-        sys.argv = argv
-        runpy.run_path(str(ROOT / "benchmarks" / "kernels.py"), run_name="__main__")
-    finally:
-        sys.argv = old
+    args = ["bench", "kernels", "--n", "2", "--size", "1000", "--repeats", "1", "--threads", "1", "--threads", "2",
+            "--no-progress", "--markdown", "--json", str(out)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert len(data["rows"]) == 2 * len(kernels.METHODS)
     assert {row["threads"] for row in data["rows"]} == {1, 2}
-    assert "| add_ loop |" in capsys.readouterr().out
+    assert "| threads | N | elements | method |" in result.output and "| add_ loop |" in result.output
 
 
 def test_compare_races_the_kernels_at_one_thread_count() -> None:

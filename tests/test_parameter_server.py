@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from _ps_bodies import assert_no_process_left, serve_or_train
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -122,23 +123,14 @@ def _scenarios(strategy):
 
 def _cluster(rank, world_size, body):
     resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=2)
-    if resolver.task_type != "chief":
-        ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=30).join()
-        return resolver.task_type
-    strategy = ts.ParameterServerStrategy(resolver, variable_partitioner=_partitioner, timeout=30)
-    try:
-        return body(strategy)
-    finally:
-        strategy.shutdown()
+    return serve_or_train(resolver, body, variable_partitioner=_partitioner, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def observed():
     results = run_ranks(_cluster, 4, args=(_scenarios,), init_process_group=False, timeout=150)
     assert results[1:] == ["ps", "ps", "worker"]
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-    assert leftovers == []
+    assert_no_process_left()
     return results[0]
 
 

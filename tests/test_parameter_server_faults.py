@@ -21,8 +21,7 @@ import signal
 import time
 
 import pytest
-import torch
-from _ps_bodies import counter_model
+from _ps_bodies import assert_no_process_left, counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
@@ -34,12 +33,6 @@ os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789ab
 STEPS = 12
 
 
-def _no_leftover_processes():
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-    assert leftovers == []
-
-
 def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, hb=(1.0, None)):
     if use_tf_config:
         resolver = ts.cluster_resolver.TFConfigClusterResolver()
@@ -49,7 +42,7 @@ def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, h
         with open(os.path.join(pid_dir, f"{resolver.task_type}{resolver.task_id}"), "w") as f:
             f.write(str(os.getpid()))
         try:
-            ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=lease).join()
+            ts.distribute.Server(resolver, timeout=60, lease_timeout=lease).join()
         except UnavailableError as e:
             return ("unavailable", str(e), time.time())
         return ("ok", resolver.task_type)
@@ -61,34 +54,40 @@ def _cluster(rank, world_size, body, pid_dir, use_tf_config=False, lease=30.0, h
         strategy.shutdown()
 
 
-def _worker_dies_mid_closure(strategy, pid_dir):
+def _steps_hitting_worker_1(strategy, sig):
+    """Schedules STEPS counter steps (each lowers the weight by 1 and returns ``(i, rank)``); worker 1 (rank
+    3) sends itself ``sig`` (SIGKILL: dies, SIGSTOP: freezes) inside its first closure."""
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
+    model, _, counter_step = counter_model(strategy)
 
     def step(i):
         time.sleep(0.2)
-        if os.environ["RANK"] == "3":                   # worker 1 dies inside its first closure
-            os.kill(os.getpid(), signal.SIGKILL)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()                                     # weight -= 1
+        if os.environ["RANK"] == "3":
+            os.kill(os.getpid(), sig)
+        counter_step()                                 # weight -= 1
         return i, os.environ["RANK"]
 
-    rvs = [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    return coordinator, model, counter_step, [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+
+
+def _slowly(counter_step):
+    """The counter step after a 50 ms pause (so that closures are in flight when a task is hit)."""
+    def slow_step():
+        time.sleep(0.05)
+        counter_step()
+    return slow_step
+
+
+def _worker_dies_mid_closure(strategy, pid_dir):
+    coordinator, model, _, rvs = _steps_hitting_worker_1(strategy, signal.SIGKILL)
     coordinator.join()
     return {"results": [rv.fetch() for rv in rvs], "weight": float(model.weight.detach().reshape(()))}
 
 
 def _ps_dies(strategy, pid_dir):
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
-
-    def step():
-        time.sleep(0.05)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
+    _, _, counter_step = counter_model(strategy)
+    step = _slowly(counter_step)
     for _ in range(4):
         coordinator.schedule(step)
     coordinator.join()
@@ -125,7 +124,7 @@ def worker_then_ps(tmp_path_factory):
     pid_dir = str(tmp_path_factory.mktemp("pids"))
     results = run_ranks(_cluster, 4, args=(_worker_then_ps_die, pid_dir), init_process_group=False,
                         timeout=150, expect_failure=[1, 3])
-    _no_leftover_processes()
+    assert_no_process_left()
     return results
 
 
@@ -175,7 +174,7 @@ def test_servers_exit_when_the_chief_crashes(tmp_path):
     assert results[0] is None
     for status, message, _ in results[1:]:
         assert status == "unavailable" and "chief" in message
-    _no_leftover_processes()
+    assert_no_process_left()
 
 
 # ---- frozen tasks (SIGSTOP) -------------------------------------------------------------------------------
@@ -185,31 +184,13 @@ def _pid(pid_dir, name):
 
 
 def _frozen_worker_then_frozen_ps(strategy, pid_dir):
-    coordinator = ts.coordinator.ClusterCoordinator(strategy)
-    model, opt, _ = counter_model(strategy)
-
-    def step(i):
-        time.sleep(0.2)
-        if os.environ["RANK"] == "3":                   # worker 1 freezes inside its first closure
-            os.kill(os.getpid(), signal.SIGSTOP)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-        return i, os.environ["RANK"]
-
-    rvs = [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    coordinator, model, counter_step, rvs = _steps_hitting_worker_1(strategy, signal.SIGSTOP)
     coordinator.join()                                 # returns although worker 1 is frozen, not dead
     weight = float(model.weight.detach().reshape(()))
     requeued = coordinator._queue.requeued
     out = {"worker": {"results": [rv.fetch() for rv in rvs], "weight": weight, "requeued": requeued}}
     os.kill(_pid(pid_dir, "worker1"), signal.SIGKILL)
-
-    def slow_step():
-        time.sleep(0.05)
-        opt.zero_grad()
-        model(torch.ones(1, 1)).sum().backward()
-        opt.step()
-
+    slow_step = _slowly(counter_step)
     for _ in range(10):
         coordinator.schedule(slow_step)
     ps_pid = _pid(pid_dir, "ps0")
@@ -249,7 +230,7 @@ def test_frozen_worker_is_requeued_and_frozen_ps_is_reported_by_name(tmp_path):
     for name in ("schedule", "done"):
         assert chief[name] is not None and "ps:0" in chief[name], name
     assert results[2][0] == "ok"                                 # the healthy worker was shut down
-    _no_leftover_processes()
+    assert_no_process_left()
 
 
 def _chief_freezes(strategy, pid_dir):
@@ -275,4 +256,4 @@ def test_servers_leave_when_the_chief_freezes(tmp_path):
     for status, message, left_at in results[1:]:
         assert status == "unavailable" and "chief" in message
         assert left_at < killed_at                    # they left because it froze, before it was killed
-    _no_leftover_processes()
+    assert_no_process_left()

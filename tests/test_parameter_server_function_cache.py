@@ -14,11 +14,12 @@ import types
 
 import pytest
 import torch
+from _ps_bodies import serve_or_train
 from harness import run_ranks
 
 import torchstrategies as ts
-from torchstrategies.strategies.parameter_server.registry import Registry
-from torchstrategies.strategies.parameter_server.worker_runtime import _Unpickler
+from torchstrategies.parameter_server.registry import Registry
+from torchstrategies.parameter_server.worker_runtime import _Unpickler
 
 os.environ.setdefault("TORCHSTRATEGIES_PS_SECRET", "test-job-secret-0123456789abcdef")   # the launch sets it
 
@@ -59,36 +60,26 @@ def test_unchanged_function_is_pickled_once_and_its_bytes_equal_a_fresh_pickle()
     assert (cache.pickled, cache.hits) == (1, 3)
 
 
-def test_rebound_global_is_pickled_again_and_seen():
-    global SCALE
-    reg = _registry()
-    fn = _scaled()
-    assert _run(reg, fn, (5,)) == 10
-    try:
-        SCALE = 3
-        assert _run(reg, fn, (5,)) == 15
-        assert reg.function_cache.pickled == 2
-    finally:
-        SCALE = 2
-
-
-def test_rebound_global_of_a_helper_function_is_seen():
-    global HELPER_OFFSET
-
+def _with_helper():
     def helper(x):
         return x + HELPER_OFFSET
 
     def fn(x):
         return helper(x) * 10
+    return fn
 
+
+@pytest.mark.parametrize("make_fn, name, value, arg, before, after", [
+    (_scaled, "SCALE", 3, 5, 10, 15),                 # a global of the function itself
+    (_with_helper, "HELPER_OFFSET", 1, 1, 10, 20),    # a global of a helper function it calls
+], ids=["own_global", "helper_global"])
+def test_rebound_global_is_pickled_again_and_seen(monkeypatch, make_fn, name, value, arg, before, after):
     reg = _registry()
-    assert _run(reg, fn, (1,)) == 10
-    try:
-        HELPER_OFFSET = 1
-        assert _run(reg, fn, (1,)) == 20
-        assert reg.function_cache.pickled == 2
-    finally:
-        HELPER_OFFSET = 0
+    fn = make_fn()
+    assert _run(reg, fn, (arg,)) == before
+    monkeypatch.setitem(globals(), name, value)
+    assert _run(reg, fn, (arg,)) == after
+    assert reg.function_cache.pickled == 2
 
 
 def test_list_mutated_in_place_is_not_cached_and_is_seen():
@@ -317,15 +308,7 @@ def _chief_body(strategy):
 
 
 def _cluster(rank, world_size):
-    resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=1)
-    if resolver.task_type != "chief":
-        ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=30).join()
-        return resolver.task_type
-    strategy = ts.ParameterServerStrategy(resolver, timeout=30)
-    try:
-        return _chief_body(strategy)
-    finally:
-        strategy.shutdown()
+    return serve_or_train(ts.cluster_resolver.TorchrunClusterResolver(num_ps=1), _chief_body, timeout=30)
 
 
 @pytest.mark.timeout(200)

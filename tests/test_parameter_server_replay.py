@@ -72,7 +72,7 @@ def _stale_entry_attack(strategy, marker):
     import torch.distributed as dist
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server.rendezvous import entry_key
+    from torchstrategies.parameter_server.rpc.rendezvous import entry_key
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
     model, _, step = counter_model(strategy)

@@ -21,8 +21,8 @@ from _ps_bodies import counter_model
 from harness import run_ranks
 
 import torchstrategies as ts
-from torchstrategies.strategies.parameter_server import wire
-from torchstrategies.strategies.parameter_server.auth import JobAuth
+from torchstrategies.parameter_server.rpc import wire
+from torchstrategies.parameter_server.rpc.auth import JobAuth
 
 SECRET = "test-job-secret-0123456789abcdef"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def _listening(pid: int) -> list[str]:
 def _credentials(address: str, name: str, instance: str, auth) -> dict:
     """Single-use credentials and sealed messages for the attacker, made with a chief's and a worker's session
     to ``name``: what a peer of the job (or a stranger who somehow got one) could send."""
-    from torchstrategies.strategies.parameter_server.client import RpcClient
+    from torchstrategies.parameter_server.rpc.client import RpcClient
 
     paths = {m: f"/torchstrategies.ps.v1.{m}" for m in ("Worker/Exec", "ParameterServer/CreateOptimizer",
                                                        "Worker/Stream", "ParameterServer/Stream",
@@ -68,9 +68,9 @@ def _chief(strategy, pid_dir, marker):
     import torch.distributed as dist
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server.auth import TASK
-    from torchstrategies.strategies.parameter_server.client import RpcClient
-    from torchstrategies.strategies.parameter_server.rendezvous import entry_key
+    from torchstrategies.parameter_server.rpc.auth import TASK
+    from torchstrategies.parameter_server.rpc.client import RpcClient
+    from torchstrategies.parameter_server.rpc.rendezvous import entry_key
 
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
     model, _, step = counter_model(strategy)
@@ -143,7 +143,7 @@ def _cluster(rank, world_size, pid_dir, marker):
     if resolver.task_type != "chief":
         with open(os.path.join(pid_dir, f"{resolver.task_type}{resolver.task_id}"), "w") as f:
             f.write(str(os.getpid()))
-        ts.strategies.parameter_server.Server(resolver, timeout=60, lease_timeout=30).join()
+        ts.distribute.Server(resolver, timeout=60, lease_timeout=30).join()
         return resolver.task_type
     strategy = ts.ParameterServerStrategy(resolver, timeout=20)
     try:
@@ -237,7 +237,7 @@ def test_job_auth_signatures_and_missing_credentials(monkeypatch):
 
 
 def test_handshake_proves_the_secret_and_the_instance_and_credentials_are_single_use():
-    from torchstrategies.strategies.parameter_server.session import (
+    from torchstrategies.parameter_server.rpc.session import (
         AuthError,
         SessionTable,
         client_hello,
@@ -293,7 +293,7 @@ def test_handshake_proves_the_secret_and_the_instance_and_credentials_are_single
 
 
 def test_replay_window_accepts_each_sequence_number_once_in_any_order():
-    from torchstrategies.strategies.parameter_server.session import WINDOW, Session
+    from torchstrategies.parameter_server.rpc.session import WINDOW, Session
 
     s = Session(b"i" * 16, b"k" * 32, "task")
     assert [s.accept(n) for n in (5, 3, 5, 3, 4, 1, 2, 0, -1)] == [True, True, False, False, True, True, True,
@@ -311,7 +311,7 @@ def test_rendezvous_refuses_an_entry_older_than_the_tasks_counter_or_one_already
     from harness import free_port
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, entry_key, publish
+    from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, entry_key, publish
 
     auth = JobAuth(SECRET.encode())
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=10),
@@ -363,10 +363,10 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     from harness import free_port
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server import Server
-    from torchstrategies.strategies.parameter_server.auth import CHIEF
-    from torchstrategies.strategies.parameter_server.client import RpcClient
-    from torchstrategies.strategies.parameter_server.rendezvous import store_prefix
+    from torchstrategies.parameter_server import Server
+    from torchstrategies.parameter_server.rpc.auth import CHIEF
+    from torchstrategies.parameter_server.rpc.client import RpcClient
+    from torchstrategies.parameter_server.rpc.rendezvous import store_prefix
 
     job, stranger = _certs(str(tmp_path), "job"), _certs(str(tmp_path), "stranger")
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchstrategies.strategies.parameter_server import wire
+from torchstrategies.parameter_server.rpc import wire
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -55,8 +55,8 @@ class _Served:
     def __init__(self, services=("ParameterServer", "Worker", "Control")):
         import threading
 
-        from torchstrategies.strategies.parameter_server.auth import JobAuth
-        from torchstrategies.strategies.parameter_server.transport import RpcServer, call_abandoned
+        from torchstrategies.parameter_server.rpc.auth import JobAuth
+        from torchstrategies.parameter_server.rpc.transport import RpcServer, call_abandoned
 
         self.auth = JobAuth(SECRET)
         self.ran: list[tuple[str, str]] = []
@@ -81,7 +81,7 @@ class _Served:
         self.address = f"127.0.0.1:{self.server.port}"
 
     def client(self, role="task", timeout=10.0, auth=None, instance="instance-1"):
-        from torchstrategies.strategies.parameter_server.client import RpcClient
+        from torchstrategies.parameter_server.rpc.client import RpcClient
 
         return RpcClient(self.address, "ps:0", timeout, auth or self.auth, role, instance=instance,
                          hello={"op": "hello"})
@@ -90,7 +90,7 @@ class _Served:
 @pytest.fixture(params=["own-thread", "queue"])
 def served(request, monkeypatch):
     """Both stream implementations: the caller-driven one and gRPC's public API (the fallback)."""
-    from torchstrategies.strategies.parameter_server import streams
+    from torchstrategies.parameter_server.rpc import streams
 
     monkeypatch.setattr(streams, "_use_own_thread", request.param == "own-thread")
     s = _Served()
@@ -126,7 +126,7 @@ def test_requests_travel_on_reused_streams_and_keep_their_order(served):
     assert not errors, errors
     assert 1 <= len(served.server._streams) <= 4  # concurrent callers used their own streams
     with pytest.raises(Exception) as info:  # a handler's error comes back, the stream stays usable
-        from torchstrategies.strategies.parameter_server.transport import RemoteError
+        from torchstrategies.parameter_server.rpc.transport import RemoteError
 
         c.call({"op": "push", "fail": True})
     assert isinstance(info.value, RemoteError) and isinstance(info.value.exc, KeyError)
@@ -178,9 +178,9 @@ def test_streams_are_authenticated_and_authorised_before_a_request_is_read(serve
     import grpc
 
     from torchstrategies.errors import UnavailableError
-    from torchstrategies.strategies.parameter_server import wire
-    from torchstrategies.strategies.parameter_server.session import Session
-    from torchstrategies.strategies.parameter_server.transport import RemoteError
+    from torchstrategies.parameter_server.rpc import wire
+    from torchstrategies.parameter_server.rpc.session import Session
+    from torchstrategies.parameter_server.rpc.transport import RemoteError
 
     task = served.client("task")
     with pytest.raises(RemoteError, match="for the chief only"):  # a chief-only method on the ps stream
@@ -240,9 +240,9 @@ def test_every_watch_stream_end_is_reported_even_when_the_client_cancels_at_once
     first send as the client cancelled: 5-8 of 100 ends were then only noticed by the 30 s lease)."""
     import threading
 
-    from torchstrategies.strategies.parameter_server.auth import JobAuth
-    from torchstrategies.strategies.parameter_server.client import RpcClient
-    from torchstrategies.strategies.parameter_server.transport import RpcServer
+    from torchstrategies.parameter_server.rpc.auth import JobAuth
+    from torchstrategies.parameter_server.rpc.client import RpcClient
+    from torchstrategies.parameter_server.rpc.transport import RpcServer
 
     auth = JobAuth(SECRET)
     ended = threading.Semaphore(0)

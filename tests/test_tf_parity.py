@@ -9,13 +9,10 @@ import pytest
 import torch
 
 import torchstrategies as ts
+from tests._mirrored_common import replica_id as _rid
 from torchstrategies.distribute.device_util import canonicalize
 
 AGG = ts.VariableAggregation
-
-
-def _rid() -> int:
-    return ts.get_replica_context().replica_id_in_sync_group
 
 
 @pytest.fixture

@@ -26,58 +26,9 @@ __all__ = [
     "__version__",
 ]
 from torchstrategies import distribute  # noqa: E402
-from torchstrategies.distribute import (  # noqa: E402
-    CrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    InputContext,
-    InputOptions,
-    NcclAllReduce,
-    ReductionToOneDevice,
-    compute_average_loss,
-    scale_regularization_loss,
-    DistributedValues,
-    Mirrored,
-    PerReplica,
-    ReplicaContext,
-    Strategy,
-    StrategyExtended,
-    ValueContext,
-    Variable,
-    VariableAggregation,
-    VariableSynchronization,
-    experimental_set_strategy,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-)
+from torchstrategies.distribute import *  # noqa: E402, F403  (the tf.distribute names, listed once there)
 
-__all__ += [
-    "CrossDeviceOps",
-    "HierarchicalCopyAllReduce",
-    "InputContext",
-    "InputOptions",
-    "NcclAllReduce",
-    "ReductionToOneDevice",
-    "compute_average_loss",
-    "scale_regularization_loss",
-    "distribute",
-    "DistributedValues",
-    "Mirrored",
-    "PerReplica",
-    "ReplicaContext",
-    "Strategy",
-    "StrategyExtended",
-    "ValueContext",
-    "Variable",
-    "VariableAggregation",
-    "VariableSynchronization",
-    "experimental_set_strategy",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-]
+__all__ += ["distribute", *distribute.__all__]
 from torchstrategies.strategies import (  # noqa: E402
     CentralStorageStrategy,
     MirroredStrategy,
@@ -96,7 +47,7 @@ __all__ += ["MultiWorkerMirroredStrategy", "checkpoint"]
 
 # ParameterServerStrategy (issue 6): ts.ParameterServerStrategy, ts.coordinator, ts.partitioners.
 from torchstrategies import coordinator, partitioners  # noqa: E402
-from torchstrategies.strategies.parameter_server import ParameterServerStrategy, Server  # noqa: E402
+from torchstrategies.parameter_server import ParameterServerStrategy, Server  # noqa: E402
 
 distribute.Server = Server  # type: ignore[attr-defined]  # ts.distribute.Server (TF's tf.distribute.Server): what ps and worker tasks run
 __all__ += ["ParameterServerStrategy", "coordinator", "partitioners"]

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "SUPPORTED_DTY
            "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
+T = TypeVar("T")
 
 # The dtype table comes from C++ (csrc/checks.h kernel_dtype, exported as _C.DTYPES): torch.dtype ->
 # (code in call descriptors, the kernels' code or -1, is floating point). Everything else derives from it.
@@ -50,20 +51,22 @@ def _as_list(op: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         raise TypeError(f"{op}: expected a list of tensors, got {type(tensors).__name__}") from None
 
 
-def _problem(op: str, items: list[Any], out: Any = None, name: str = "out") -> Exception | None:
+def _problem(op: str, items: Sequence[object], out: object = None, name: str = "out") -> Exception | None:
     """The first thing wrong with the inputs, as the exception to raise (None if nothing is)."""
     if not items:
         return ValueError(f"{op}: expected a non-empty list of tensors, got an empty list")
+    tensors: list[torch.Tensor] = []
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             return TypeError(f"{op}: tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+        tensors.append(t)
     if out is not None and not isinstance(out, torch.Tensor):
         return TypeError(f"{op}: {name} is a {type(out).__name__}, expected a torch.Tensor")
-    t0 = items[0]
+    t0 = tensors[0]
     if t0.dtype not in _SUPPORTED:
         names = ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED)
         return TypeError(f"{op}: unsupported dtype {t0.dtype} (supported: {names})")
-    others = [(f"tensors[{i}]", t) for i, t in enumerate(items[1:], start=1)]
+    others = [(f"tensors[{i}]", t) for i, t in enumerate(tensors[1:], start=1)]
     if out is not None:
         others.append((name, out))
     for label, t in others:
@@ -74,14 +77,14 @@ def _problem(op: str, items: list[Any], out: Any = None, name: str = "out") -> E
     return None
 
 
-def _check_same(op: str, items: list[Any], out: Any = None, name: str = "out") -> None:
+def _check_same(op: str, items: Sequence[object], out: object = None, name: str = "out") -> None:
     """Raises the error _problem finds (used where the C++ checks do not run: fakes, add_n)."""
     err = _problem(op, items, out, name)
     if err is not None:
         raise err
 
 
-def _run(op: str, fn: Callable[..., Any], items: list[Any], out: Any, name: str, *args: Any) -> Any:
+def _run(op: str, fn: Callable[..., T], items: Sequence[object], out: object, name: str, *args: object) -> T:
     """Calls the kernel; if it rejects the input, raises the clearer Python error when there is one."""
     try:
         return fn(*args)
@@ -92,7 +95,7 @@ def _run(op: str, fn: Callable[..., Any], items: list[Any], out: Any, name: str,
         raise
 
 
-def _check_scale(op: str, scale: float | None, items: list[Any]) -> float | None:
+def _check_scale(op: str, scale: float | None, items: Sequence[object]) -> float | None:
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -106,37 +109,39 @@ def accumulate_n(
     tensors: Sequence[torch.Tensor], *, out: torch.Tensor | None = None, scale: float | None = None
 ) -> torch.Tensor:
     """Returns ``scale * sum(tensors)`` computed in one fused pass over memory (``out`` may alias an input)."""
-    items = _as_list("accumulate_n", tensors)
-    scale = _check_scale("accumulate_n", scale, items)
-    if out is None:
-        if not _fresh_out_ok(items):
-            return _run("accumulate_n", _ops.accumulate_n, items, None, "out", items, scale)
-        fresh = torch.empty(items[0].shape, dtype=items[0].dtype, device=items[0].device)
-        _run("accumulate_n", _ops.accumulate_n_out, items, None, "out", items, scale, fresh)
-        return fresh  # no gradient needed: the out= kernel skips the Python autograd wrapper
-    _run("accumulate_n", _ops.accumulate_n_out, items, out, "out", items, scale, out)
-    _bump(out)
-    return out
+    return _reduce("accumulate_n", _ops.accumulate_n, _ops.accumulate_n_out, tensors, out, scale)
 
 
 def tree_reduce(
     tensors: Sequence[torch.Tensor], *, out: torch.Tensor | None = None, scale: float | None = None
 ) -> torch.Tensor:
     """Returns ``scale * sum(tensors)`` summed in balanced pairwise order (error grows like log N)."""
-    items = _as_list("tree_reduce", tensors)
-    scale = _check_scale("tree_reduce", scale, items)
+    return _reduce("tree_reduce", _ops.tree_reduce, _ops.tree_reduce_out, tensors, out, scale)
+
+
+def _reduce(
+    op: str,
+    kernel: Callable[..., torch.Tensor],
+    out_kernel: Callable[..., object],
+    tensors: Sequence[torch.Tensor],
+    out: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """The body of ``accumulate_n`` and ``tree_reduce``: ``kernel`` (with autograd) or its out= form."""
+    items = _as_list(op, tensors)
+    scale = _check_scale(op, scale, items)
     if out is None:
         if not _fresh_out_ok(items):
-            return _run("tree_reduce", _ops.tree_reduce, items, None, "out", items, scale)
+            return _run(op, kernel, items, None, "out", items, scale)
         fresh = torch.empty(items[0].shape, dtype=items[0].dtype, device=items[0].device)
-        _run("tree_reduce", _ops.tree_reduce_out, items, None, "out", items, scale, fresh)
+        _run(op, out_kernel, items, None, "out", items, scale, fresh)
         return fresh  # no gradient needed: the out= kernel skips the Python autograd wrapper
-    _run("tree_reduce", _ops.tree_reduce_out, items, out, "out", items, scale, out)
+    _run(op, out_kernel, items, out, "out", items, scale, out)
     _bump(out)
     return out
 
 
-def _fresh_out_ok(items: list[Any]) -> bool:
+def _fresh_out_ok(items: Sequence[object]) -> bool:
     """Whether the result needs no autograd (so the cheaper out= kernel into a new tensor can serve)."""
     if not items or not isinstance(items[0], torch.Tensor):
         return False
@@ -163,7 +168,7 @@ def accumulate_(dst: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Ten
     return dst
 
 
-def _requires_grad(t: Any) -> bool:
+def _requires_grad(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 

@@ -50,17 +50,27 @@ def _element_size(dtype: torch.dtype, bytes_per_string: int) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _positive_int(value: object, name: str, who: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{who}: {name} must be a positive int, got {value!r}")
+def _positive_ints(who: str, optional: tuple[str, ...] = (), **values: object) -> None:
+    """Raises unless each of ``values`` is a positive int (or None, for the names in ``optional``)."""
+    for name, value in values.items():
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{who}: {name} must be a positive int, got {value!r}")
 
 
 class Partitioner:
-    """Base class: ``partitioner(shape, dtype) -> [num_shards_axis0, 1, ...]``."""
+    """Base class: ``partitioner(shape, dtype) -> [num_shards_axis0, 1, ...]``.
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
+    A subclass overrides ``__call__``, or ``_axis0_shards`` (the shard count for a checked shape of rank
+    >= 1) as the partitioners here do.
+    """
+
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> list[int]:
+        size = _check_shape(shape, type(self).__name__)
+        return [self._axis0_shards(size, dtype)] + [1] * (len(size) - 1)
+
+    def _axis0_shards(self, shape: torch.Size, dtype: torch.dtype) -> int:
         raise NotImplementedError
 
 
@@ -78,14 +88,11 @@ class FixedShardsPartitioner(Partitioner):
     """
 
     def __init__(self, num_shards: int):
-        _positive_int(num_shards, "num_shards", "FixedShardsPartitioner")
+        _positive_ints("FixedShardsPartitioner", num_shards=num_shards)
         self._num_shards = num_shards
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> list[int]:
-        shape = _check_shape(shape, "FixedShardsPartitioner")
-        partitions = [1] * len(shape)
-        partitions[0] = max(1, min(self._num_shards, shape[0]))
-        return partitions
+    def _axis0_shards(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        return max(1, min(self._num_shards, shape[0]))
 
     def __repr__(self) -> str:
         return f"FixedShardsPartitioner(num_shards={self._num_shards})"
@@ -105,20 +112,19 @@ class MinSizePartitioner(Partitioner):
     """
 
     def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16):
-        _positive_int(min_shard_bytes, "min_shard_bytes", "MinSizePartitioner")
-        _positive_int(max_shards, "max_shards", "MinSizePartitioner")
-        _positive_int(bytes_per_string, "bytes_per_string", "MinSizePartitioner")
-        self._min_shard_bytes = min_shard_bytes
-        self._max_shards = max_shards
+        _positive_ints(
+            "MinSizePartitioner",
+            min_shard_bytes=min_shard_bytes,
+            max_shards=max_shards,
+            bytes_per_string=bytes_per_string,
+        )
+        self._min_shard_bytes, self._max_shards = min_shard_bytes, max_shards
         self._bytes_per_string = bytes_per_string
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> list[int]:
-        shape = _check_shape(shape, "MinSizePartitioner")
+    def _axis0_shards(self, shape: torch.Size, dtype: torch.dtype) -> int:
         total = shape.numel() * _element_size(dtype, self._bytes_per_string)
         wanted = int(math.ceil(total / self._min_shard_bytes))
-        partitions = [1] * len(shape)
-        partitions[0] = max(1, min(shape[0], self._max_shards, wanted))
-        return partitions
+        return max(1, min(shape[0], self._max_shards, wanted))
 
     def __repr__(self) -> str:
         return f"MinSizePartitioner(min_shard_bytes={self._min_shard_bytes}, max_shards={self._max_shards})"
@@ -138,25 +144,25 @@ class MaxSizePartitioner(Partitioner):
     """
 
     def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16):
-        _positive_int(max_shard_bytes, "max_shard_bytes", "MaxSizePartitioner")
-        _positive_int(max_shards, "max_shards", "MaxSizePartitioner", allow_none=True)
-        _positive_int(bytes_per_string, "bytes_per_string", "MaxSizePartitioner")
-        self._max_shard_bytes = max_shard_bytes
-        self._max_shards = max_shards
+        _positive_ints(
+            "MaxSizePartitioner",
+            ("max_shards",),
+            max_shard_bytes=max_shard_bytes,
+            max_shards=max_shards,
+            bytes_per_string=bytes_per_string,
+        )
+        self._max_shard_bytes, self._max_shards = max_shard_bytes, max_shards
         self._bytes_per_string = bytes_per_string
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> list[int]:
-        shape = _check_shape(shape, "MaxSizePartitioner")
-        partitions = [1] * len(shape)
+    def _axis0_shards(self, shape: torch.Size, dtype: torch.dtype) -> int:
         if shape[0] == 0:
-            return partitions
+            return 1
         bytes_per_row = shape.numel() / shape[0] * _element_size(dtype, self._bytes_per_string)
         rows_per_shard = max(1, math.floor(self._max_shard_bytes / bytes_per_row)) if bytes_per_row else shape[0]
         shards = int(math.ceil(shape[0] / rows_per_shard))
         if self._max_shards:
             shards = min(self._max_shards, shards)
-        partitions[0] = max(1, shards)
-        return partitions
+        return max(1, shards)
 
     def __repr__(self) -> str:
         return f"MaxSizePartitioner(max_shard_bytes={self._max_shard_bytes}, max_shards={self._max_shards})"

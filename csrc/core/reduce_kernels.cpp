@@ -40,24 +40,10 @@ TS_INLINE void run(Order order, void* out, const void* const* xs, int n, int64_t
                             scratch.data());
 }
 
-// One clone-carrying function per dtype keeps each resolver small.
-TS_CLONES void run_f32(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<float, float>(o, out, xs, n, len, hs, s);
-}
-TS_CLONES void run_f64(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<double, double>(o, out, xs, n, len, hs, s);
-}
-TS_CLONES void run_f16(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<_Float16, float>(o, out, xs, n, len, hs, s);
-}
-TS_CLONES void run_bf16(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<Bf16, float>(o, out, xs, n, len, hs, s);
-}
-TS_CLONES void run_i32(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<int32_t, int64_t>(o, out, xs, n, len, hs, s);
-}
-TS_CLONES void run_i64(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
-  run<int64_t, int64_t>(o, out, xs, n, len, hs, s);
+// One clone-carrying function per dtype (an instantiation of run_clones) keeps each resolver small.
+template <typename T, typename Acc>
+TS_CLONES void run_clones(Order o, void* out, const void* const* xs, int n, int64_t len, bool hs, double s) {
+  run<T, Acc>(o, out, xs, n, len, hs, s);
 }
 
 }  // namespace
@@ -65,12 +51,12 @@ TS_CLONES void run_i64(Order o, void* out, const void* const* xs, int n, int64_t
 void reduce_range(Order order, DType dtype, void* out, const void* const* xs, int n, int64_t len,
                   bool has_scale, double scale) {
   switch (dtype) {
-    case DType::kFloat32: return run_f32(order, out, xs, n, len, has_scale, scale);
-    case DType::kFloat64: return run_f64(order, out, xs, n, len, has_scale, scale);
-    case DType::kFloat16: return run_f16(order, out, xs, n, len, has_scale, scale);
-    case DType::kBFloat16: return run_bf16(order, out, xs, n, len, has_scale, scale);
-    case DType::kInt32: return run_i32(order, out, xs, n, len, has_scale, scale);
-    case DType::kInt64: return run_i64(order, out, xs, n, len, has_scale, scale);
+    case DType::kFloat32: return run_clones<float, float>(order, out, xs, n, len, has_scale, scale);
+    case DType::kFloat64: return run_clones<double, double>(order, out, xs, n, len, has_scale, scale);
+    case DType::kFloat16: return run_clones<_Float16, float>(order, out, xs, n, len, has_scale, scale);
+    case DType::kBFloat16: return run_clones<Bf16, float>(order, out, xs, n, len, has_scale, scale);
+    case DType::kInt32: return run_clones<int32_t, int64_t>(order, out, xs, n, len, has_scale, scale);
+    case DType::kInt64: return run_clones<int64_t, int64_t>(order, out, xs, n, len, has_scale, scale);
   }
 }
 

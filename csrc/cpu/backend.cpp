@@ -44,6 +44,32 @@ void check_cpu(const char* what, const at::Tensor& t) {
               "cuda:nccl\"))");
 }
 
+// The checks of a collective over one flat tensor per rank and one `size` times as long (all-gather: the
+// output; reduce-scatter: the input): CPU tensors, one dtype, and the long one's length.
+void check_flat_pair(const char* op, const at::Tensor& input, const at::Tensor& output, bool output_is_long,
+                     int size) {
+  check_cpu(op, input);
+  check_cpu(op, output);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchstrategies ", op, ": output dtype ",
+              output.scalar_type(), " differs from the input's ", input.scalar_type());
+  const at::Tensor& whole = output_is_long ? output : input;
+  const at::Tensor& part = output_is_long ? input : output;
+  TORCH_CHECK(whole.numel() == part.numel() * size, "torchstrategies ", op, ": ", output_is_long ? "output" : "input",
+              " holds ", whole.numel(), " elements, expected world size ", size, " x ", part.numel());
+}
+
+// A coalesced call as its pairs' calls, one by one in order: the last one's Work completes after the others
+// (FIFO), a barrier's when there are none.
+template <typename Call>
+c10::intrusive_ptr<c10d::Work> one_by_one(Backend& backend, const char* op, std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs, const Call& call) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies ", op, ": ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = call(outputs[i], inputs[i]);
+  return last ? last : backend.barrier(c10d::BarrierOptions());
+}
+
 // The kernels' dtype of `tensors` if every one is a dense tensor of the same dtype our kernels take.
 std::optional<core::DType> kernel_dtype_of(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
@@ -260,12 +286,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  check_cpu("allgather", input);
-  check_cpu("allgather", output);
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchstrategies allgather: output dtype ",
-              output.scalar_type(), " differs from the input's ", input.scalar_type());
-  TORCH_CHECK(output.numel() == input.numel() * getSize(), "torchstrategies allgather: output holds ",
-              output.numel(), " elements, expected world size ", getSize(), " x ", input.numel());
+  check_flat_pair("allgather", input, output, /*output_is_long=*/true, getSize());
   const at::Tensor in = work_on(input), out = work_on(output);
   return submit(OpType::_ALLGATHER_BASE, {output}, opts.timeout, !opts.asyncOp, [this, in, out, output](double t) {
     transport_->all_gather(ptr(in), ptr(out), static_cast<size_t>(nbytes(in)), static_cast<int32_t>(in.scalar_type()), t);
@@ -301,21 +322,13 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies allgather: ", outputs.size(), " outputs for ",
-              inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = _allgather_base(outputs[i], inputs[i], opts);
-  return last ? last : barrier(c10d::BarrierOptions());  // FIFO: the last one completes after the others
+  return one_by_one(*this, "allgather", outputs, inputs,
+                    [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::ReduceScatterOptions& opts) {
-  check_cpu("reduce_scatter", input);
-  check_cpu("reduce_scatter", output);
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchstrategies reduce_scatter: output dtype ",
-              output.scalar_type(), " differs from the input's ", input.scalar_type());
-  TORCH_CHECK(input.numel() == output.numel() * getSize(), "torchstrategies reduce_scatter: input holds ",
-              input.numel(), " elements, expected world size ", getSize(), " x ", output.numel());
+  check_flat_pair("reduce_scatter", input, output, /*output_is_long=*/false, getSize());
   const int op = core_op(opts.reduceOp);
   const auto dtype = kernel_dtype(input.scalar_type());
   if (op < 0 || !dtype) {
@@ -354,11 +367,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies reduce_scatter: ", outputs.size(), " outputs for ",
-              inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = _reduce_scatter_base(outputs[i], inputs[i], opts);
-  return last ? last : barrier(c10d::BarrierOptions());
+  return one_by_one(*this, "reduce_scatter", outputs, inputs,
+                    [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {

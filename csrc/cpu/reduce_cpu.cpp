@@ -11,7 +11,6 @@
 // thread count. (The backend's transports reduce through core::combine, which calls core::reduce_range
 // on the rank's one thread: one rank per core under MWMS; see docs/kernels.md, Threads.)
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <pybind11/stl.h>
 #include <torch/library.h>
@@ -24,6 +23,7 @@
 #include "checks.h"
 #include "core/reduce_kernels.h"
 #include "python_bindings.h"
+#include "reduce_ops.h"
 
 namespace torchstrategies {
 namespace {
@@ -45,26 +45,19 @@ core::DType core_dtype(at::ScalarType t) {
   return *d;
 }
 
-// Sums `tensors` (already validated) into `out` in `order`. Inputs that are not contiguous are copied;
-// a non-contiguous `out` receives the result through a contiguous temporary. `out` may alias an
-// input exactly (the kernel reads an element from every input before writing it); partial overlap
-// is rejected.
-void reduce_into(core::Order order, at::TensorList tensors, std::optional<double> scale,
+// The CPU backend's Reduce (reduce_ops.h): sums `tensors` (already validated) into `out` in `order`.
+// `out` may alias an input exactly: the kernel reads an element from every input before writing it.
+void reduce_into(const char* /*op*/, core::Order order, at::TensorList tensors, std::optional<double> scale,
                  const at::Tensor& out) {
   const int64_t numel = out.numel();
   if (numel == 0) return;
-  for (const auto& t : tensors) at::assert_no_partial_overlap(out, t);
-  std::vector<at::Tensor> ins;
-  ins.reserve(tensors.size());
-  for (const auto& t : tensors) ins.push_back(t.contiguous());
-  const bool out_contig = out.is_contiguous();
-  at::Tensor dst = out_contig ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  const ContiguousOperands operands(tensors, out);
 
-  const int n = static_cast<int>(ins.size());
+  const int n = static_cast<int>(operands.ins.size());
   const int64_t elem = out.element_size();
   std::vector<const char*> ptrs(n);
-  for (int i = 0; i < n; ++i) ptrs[i] = static_cast<const char*>(ins[i].const_data_ptr());
-  char* o = static_cast<char*>(dst.mutable_data_ptr());
+  for (int i = 0; i < n; ++i) ptrs[i] = static_cast<const char*>(operands.ins[i].const_data_ptr());
+  char* o = static_cast<char*>(operands.dst.mutable_data_ptr());
   const core::DType dt = core_dtype(out.scalar_type());
   for_each_range(numel, [&](int64_t begin, int64_t end) {
     std::vector<const void*> p(n);
@@ -72,43 +65,7 @@ void reduce_into(core::Order order, at::TensorList tensors, std::optional<double
     core::reduce_range(order, dt, o + begin * elem, p.data(), n, end - begin, scale.has_value(),
                        scale.value_or(1.0));
   });
-  if (!out_contig) out.copy_(dst);
-}
-
-at::Tensor accumulate_n_cpu(at::TensorList tensors, std::optional<double> scale) {
-  check_reduce_inputs("accumulate_n", tensors, nullptr, scale);
-  at::Tensor out = at::empty_like(tensors[0], at::MemoryFormat::Contiguous);
-  reduce_into(core::Order::kSequential, tensors, scale, out);
-  return out;
-}
-
-void accumulate_n_out_cpu(at::TensorList tensors, std::optional<double> scale, at::Tensor out) {
-  check_reduce_inputs("accumulate_n", tensors, &out, scale);
-  check_out_without_autograd("accumulate_n", tensors, out);
-  reduce_into(core::Order::kSequential, tensors, scale, out);
-}
-
-at::Tensor tree_reduce_cpu(at::TensorList tensors, std::optional<double> scale) {
-  check_reduce_inputs("tree_reduce", tensors, nullptr, scale);
-  at::Tensor out = at::empty_like(tensors[0], at::MemoryFormat::Contiguous);
-  reduce_into(core::Order::kTree, tensors, scale, out);
-  return out;
-}
-
-void tree_reduce_out_cpu(at::TensorList tensors, std::optional<double> scale, at::Tensor out) {
-  check_reduce_inputs("tree_reduce", tensors, &out, scale);
-  check_out_without_autograd("tree_reduce", tensors, out);
-  reduce_into(core::Order::kTree, tensors, scale, out);
-}
-
-void accumulate_inplace_cpu(at::Tensor dst, at::TensorList tensors) {
-  check_reduce_inputs("accumulate_", tensors, &dst, std::nullopt, "dst");
-  // dst + t0 + t1 + ...: reduce [dst, tensors...] left to right into dst.
-  std::vector<at::Tensor> all;
-  all.reserve(tensors.size() + 1);
-  all.push_back(dst);
-  for (const auto& t : tensors) all.push_back(t);
-  reduce_into(core::Order::kSequential, all, std::nullopt, dst);
+  operands.finish(out);
 }
 
 // _C.reduce_ranges(numel): the (begin, end, pool thread) ranges for_each_range cuts `numel` elements
@@ -136,12 +93,6 @@ void init_reduce_bindings(pybind11::module_& m) {
   m.attr("REDUCE_GRAIN") = kGrain;
 }
 
-TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {
-  m.impl("accumulate_n", &accumulate_n_cpu);
-  m.impl("accumulate_n_out", &accumulate_n_out_cpu);
-  m.impl("tree_reduce", &tree_reduce_cpu);
-  m.impl("tree_reduce_out", &tree_reduce_out_cpu);
-  m.impl("accumulate_", &accumulate_inplace_cpu);
-}
+TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) { register_reduce_ops<&reduce_into>(m); }
 
 }  // namespace torchstrategies

@@ -2,7 +2,6 @@
 // torch-free launchers in reduce_cuda.h. Built only by setup.py's CUDA path (torch with CUDA and
 // CUDA_HOME present).
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +11,7 @@
 
 #include "checks.h"
 #include "cuda/reduce_cuda.h"
+#include "reduce_ops.h"
 
 namespace torchstrategies {
 namespace {
@@ -24,6 +24,8 @@ core::DType cuda_dtype(const char* op, at::ScalarType t) {
   return *d;
 }
 
+// The CUDA backend's Reduce (reduce_ops.h): sums `tensors` (already validated) into `out` in `order`
+// on the current stream.
 void reduce_into_cuda(const char* op, core::Order order, at::TensorList tensors,
                       std::optional<double> scale, const at::Tensor& out) {
   TORCH_CHECK(out.is_cuda(), op, ": expected CUDA tensors, got ", out.device());
@@ -31,16 +33,11 @@ void reduce_into_cuda(const char* op, core::Order order, at::TensorList tensors,
   const int64_t numel = out.numel();
   if (numel == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
-  for (const auto& t : tensors) at::assert_no_partial_overlap(out, t);
-  std::vector<at::Tensor> ins;
-  ins.reserve(tensors.size());
-  for (const auto& t : tensors) ins.push_back(t.contiguous());
-  const bool out_contig = out.is_contiguous();
-  at::Tensor dst = out_contig ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  const ContiguousOperands operands(tensors, out);
 
-  const int n = static_cast<int>(ins.size());
+  const int n = static_cast<int>(operands.ins.size());
   std::vector<const void*> ptrs(n);
-  for (int i = 0; i < n; ++i) ptrs[i] = ins[i].const_data_ptr();
+  for (int i = 0; i < n; ++i) ptrs[i] = operands.ins[i].const_data_ptr();
   // Device-resident pointer table, only when the pointers do not fit the kernel parameters. It is
   // allocated and copied on the current stream, the one the kernel runs on.
   at::Tensor table;
@@ -53,54 +50,13 @@ void reduce_into_cuda(const char* op, core::Order order, at::TensorList tensors,
     table_ptr = reinterpret_cast<const void* const*>(table.const_data_ptr<int64_t>());
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cuda::launch_reduce(order, dt, dst.mutable_data_ptr(), ptrs.data(), table_ptr, n,
-                                     numel, scale.has_value(), scale.value_or(1.0), stream));
-  if (!out_contig) out.copy_(dst);
-}
-
-at::Tensor accumulate_n_cuda(at::TensorList tensors, std::optional<double> scale) {
-  check_reduce_inputs("accumulate_n", tensors, nullptr, scale);
-  at::Tensor out = at::empty_like(tensors[0], at::MemoryFormat::Contiguous);
-  reduce_into_cuda("accumulate_n", core::Order::kSequential, tensors, scale, out);
-  return out;
-}
-
-void accumulate_n_out_cuda(at::TensorList tensors, std::optional<double> scale, at::Tensor out) {
-  check_reduce_inputs("accumulate_n", tensors, &out, scale);
-  check_out_without_autograd("accumulate_n", tensors, out);
-  reduce_into_cuda("accumulate_n", core::Order::kSequential, tensors, scale, out);
-}
-
-at::Tensor tree_reduce_cuda(at::TensorList tensors, std::optional<double> scale) {
-  check_reduce_inputs("tree_reduce", tensors, nullptr, scale);
-  at::Tensor out = at::empty_like(tensors[0], at::MemoryFormat::Contiguous);
-  reduce_into_cuda("tree_reduce", core::Order::kTree, tensors, scale, out);
-  return out;
-}
-
-void tree_reduce_out_cuda(at::TensorList tensors, std::optional<double> scale, at::Tensor out) {
-  check_reduce_inputs("tree_reduce", tensors, &out, scale);
-  check_out_without_autograd("tree_reduce", tensors, out);
-  reduce_into_cuda("tree_reduce", core::Order::kTree, tensors, scale, out);
-}
-
-void accumulate_inplace_cuda(at::Tensor dst, at::TensorList tensors) {
-  check_reduce_inputs("accumulate_", tensors, &dst, std::nullopt, "dst");
-  std::vector<at::Tensor> all;
-  all.reserve(tensors.size() + 1);
-  all.push_back(dst);
-  for (const auto& t : tensors) all.push_back(t);
-  reduce_into_cuda("accumulate_", core::Order::kSequential, all, std::nullopt, dst);
+  C10_CUDA_CHECK(cuda::launch_reduce(order, dt, operands.dst.mutable_data_ptr(), ptrs.data(), table_ptr,
+                                     n, numel, scale.has_value(), scale.value_or(1.0), stream));
+  operands.finish(out);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchstrategies, CUDA, m) {
-  m.impl("accumulate_n", &accumulate_n_cuda);
-  m.impl("accumulate_n_out", &accumulate_n_out_cuda);
-  m.impl("tree_reduce", &tree_reduce_cuda);
-  m.impl("tree_reduce_out", &tree_reduce_out_cuda);
-  m.impl("accumulate_", &accumulate_inplace_cuda);
-}
+TORCH_LIBRARY_IMPL(torchstrategies, CUDA, m) { register_reduce_ops<&reduce_into_cuda>(m); }
 
 }  // namespace torchstrategies

@@ -14,15 +14,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from torchstrategies.bench.launch import run_torchrun
+from torchstrategies.bench.launch import job_env, run_job
 from torchstrategies.bench.loopback import socket_buffer_bytes
 from torchstrategies.bench.report import BenchResult
 
@@ -94,6 +91,28 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         RuntimeError: the launch failed, or an implementation gave a wrong sum (the worker checks every
             case before timing it; the message names the implementation, the size and the ranks).
     """
+    impls = _implementations(nproc, sizes, implementations, rounds, simulate_hosts)
+    env = job_env()
+    env.pop("TORCHSTRATEGIES_HOST_ID", None)  # the worker sets it per rank, or the hostname applies
+    load_before = os.getloadavg()[0]
+    args = ["--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls), "--rounds", str(rounds),
+            "--simulate-hosts", str(simulate_hosts)] + (["--progress"] if progress else [])
+    total = rounds * (len(sizes) * len(impls) + int(any(i in _SHM for i in impls)))
+    data = run_job("torchstrategies.bench.allreduce_worker", nproc, args, env, total=total, desc="allreduce bench",
+                   progress=progress, timeout=timeout)
+    data["load"] = (load_before, os.getloadavg()[0])
+    data["machine"] = machine()
+    data["simulate_hosts"] = simulate_hosts
+    return _table(data, nproc)
+
+
+def _implementations(nproc: int, sizes: Sequence[int], implementations: Sequence[str] | None, rounds: int,
+                     simulate_hosts: int) -> list[str]:
+    """Checks :func:`run`'s arguments; returns the rows to time, gloo first (the roofline only with 2+ ranks).
+
+    Raises:
+        ValueError: a bad argument (names the value).
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if rounds < 1:
@@ -116,30 +135,7 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         impls.insert(0, "gloo")
     if nproc < 2 and ROOFLINE in impls:
         impls.remove(ROOFLINE)  # nothing to send to
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("TORCHSTRATEGIES_HOST_ID", None)  # the worker sets it per rank, or the hostname applies
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "allreduce.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "torchstrategies.bench.allreduce_worker", "--json", out,
-               "--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls),
-               "--rounds", str(rounds), "--simulate-hosts", str(simulate_hosts)]
-        if progress:
-            cmd.append("--progress")
-        total = rounds * (len(sizes) * len(impls) + int(any(i in _SHM for i in impls)))
-        run_torchrun(cmd, env, total=total, desc="allreduce bench", progress=progress, timeout=timeout)
-        if not os.path.exists(out):
-            raise RuntimeError(f"allreduce benchmark wrote no results: {' '.join(cmd)}")
-        with open(out) as f:
-            data = json.load(f)
-    data["load"] = (load_before, os.getloadavg()[0])
-    data["machine"] = machine()
-    data["simulate_hosts"] = simulate_hosts
-    return _table(data, nproc)
+    return impls
 
 
 def _table(data: dict[str, Any], nproc: int) -> BenchResult:
@@ -161,13 +157,27 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
             "bytes": r["size"],
             "rounds_us": [s * 1e6 for s in r.get("rounds", [])],
         })
-    hosts = data.get("hosts") or []
+    load = data.get("load")
+    sim = data.get("simulate_hosts", 1)
+    layout = f", {sim} simulated hosts x {nproc // sim}" if sim > 1 else ""
+    head = f"load {load[0]:.2f}, " if load else ""
+    title = (f"all-reduce, {nproc} ranks{layout}, float32 ({head}{data.get('machine', '')}, "
+             f"torch {data.get('torch')})")
+    meta = {"packed_seconds": data.get("packed"), "nproc": nproc, "load": load, "machine": data.get("machine"),
+            "hosts": data.get("hosts") or [], "hierarchical_hosts": data.get("hierarchical_hosts"),
+            "hierarchical_plan": data.get("hierarchical_plan"), "simulate_hosts": sim,
+            "rounds": data.get("rounds")}
+    return BenchResult(title, COLUMNS, rows, _notes(data, nproc, bool(roof)), meta)
+
+
+def _notes(data: dict[str, Any], nproc: int, roofline: bool) -> list[str]:
+    """What the table's numbers mean, the roofline's and the packed case's set-up, the hosts and the load."""
     notes = [
         f"algbw = size / time; busbw = algbw * 2(n-1)/n (nccl-tests' all-reduce definitions, n = {nproc}); "
         f"time = the slowest rank's median per round, median of {data.get('rounds', 1)} interleaved rounds; "
         "every case's sum is checked on every rank before it is timed.",
     ]
-    if roof:
+    if roofline:
         buf = data.get("socket_buffer_bytes")
         bufs = f"SO_SNDBUF/SO_RCVBUF {buf} bytes" if buf else "socket buffers autotuned by the kernel"
         notes.append(
@@ -185,6 +195,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
             f"packed: 100 x 10k-float all-reduce: 100 separate gloo calls {p['gloo-100-calls'] * 1e3:.2f} ms; "
             f"packed SHM {p['shm'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['shm']:.1f}x); "
             f"packed GLOO {p['gloo'] * 1e3:.2f} ms ({p['gloo-100-calls'] / p['gloo']:.1f}x)")
+    hosts = data.get("hosts") or []
     if len(set(hosts)) > 1:
         notes.append(f"simulated hosts (TORCHSTRATEGIES_HOST_ID per rank): {hosts}; the HIERARCHICAL row's "
                      f"backend saw {data.get('hierarchical_hosts')} hosts and runs the plan "
@@ -193,16 +204,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
     if load:
         notes.append(f"1-minute load average of this machine before/after the run: {load[0]:.2f} / {load[1]:.2f} "
                      f"on {data.get('cpus')} CPUs (ratios are from one run, so both sides saw the same load)")
-    sim = data.get("simulate_hosts", 1)
-    layout = f", {sim} simulated hosts x {nproc // sim}" if sim > 1 else ""
-    head = f"load {load[0]:.2f}, " if load else ""
-    title = (f"all-reduce, {nproc} ranks{layout}, float32 ({head}{data.get('machine', '')}, "
-             f"torch {data.get('torch')})")
-    meta = {"packed_seconds": p, "nproc": nproc, "load": load, "machine": data.get("machine"), "hosts": hosts,
-            "hierarchical_hosts": data.get("hierarchical_hosts"),
-            "hierarchical_plan": data.get("hierarchical_plan"), "simulate_hosts": sim,
-            "rounds": data.get("rounds")}
-    return BenchResult(title, COLUMNS, rows, notes, meta)
+    return notes
 
 
 def plot(result: BenchResult, path: str) -> None:

@@ -193,7 +193,7 @@ def _simulate_hosts(hosts: int) -> None:
     os.environ["TORCHSTRATEGIES_HOST_ID"] = f"simulated-host-{rank // (world // hosts)}"
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     p.add_argument("--sizes", default="4096,65536,1048576,16777216,67108864")
@@ -201,64 +201,85 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--simulate-hosts", type=int, default=1)
     p.add_argument("--progress", action="store_true")
-    a = p.parse_args()
-    _simulate_hosts(a.simulate_hosts)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hosts: list = [None] * world
-    dist.all_gather_object(hosts, topology.host_id())
-    sizes = [int(s) for s in a.sizes.split(",") if s]
-    impls = [s for s in a.impls.split(",") if s]
-    if world < 2:
-        impls = [i for i in impls if i != ROOFLINE]
-    cases = [(s, i) for s in sizes for i in impls]
-    rounds = max(1, a.rounds)
-    packed_case = any(i in SHM_IMPLS for i in impls)
-    step = 0
+    return p.parse_args()
 
-    def progress(label: str) -> None:
-        nonlocal step
-        step += 1
-        if a.progress and rank == 0:
-            print(f"PROGRESS {step} {label}", flush=True)
 
-    ring = LoopbackRing(dist.distributed_c10d._get_default_store(), rank, world) if ROOFLINE in impls else None
-    # One tensor per case for every round (zero-copy buffers are not reclaimed one by one).
-    calls: dict = {}
-    checks: dict = {}
+Case = tuple[int, str]
+
+
+Call = Callable[[], object]
+
+
+def _cases(cases: list[Case], ring: LoopbackRing | None) -> tuple[dict[Case, Callable[[], Call]], dict[Case, Call]]:
+    """Per case: ``prepare()``, which readies the case's data and returns the call to time, and the check.
+    One tensor per case for every round (zero-copy buffers are not reclaimed one by one), refilled with ones
+    before every timing."""
+    prepare: dict[Case, Callable[[], Call]] = {}
+    checks: dict[Case, Call] = {}
     for nbytes, impl in cases:
         if impl == ROOFLINE:
             assert ring is not None
-            calls[(nbytes, impl)] = checks[(nbytes, impl)] = _Roofline(ring, nbytes)
+            roofline = _Roofline(ring, nbytes)
+            prepare[(nbytes, impl)], checks[(nbytes, impl)] = functools.partial(_same, roofline), roofline.check
             continue
         n = nbytes // 4
         t = C.buffer(n, torch.float32) if impl == "shm-zero-copy" else torch.zeros(n)
         fn = _call(impl, t)
-        calls[(nbytes, impl)] = (t, fn)
+        prepare[(nbytes, impl)] = functools.partial(_refilled, t, fn)
         checks[(nbytes, impl)] = functools.partial(_check_all_reduce, impl, nbytes, t, fn)
-    per_case: dict = {c: [] for c in cases}
+    return prepare, checks
+
+
+def _same(fn: Call) -> Call:
+    return fn
+
+
+def _refilled(t: torch.Tensor, fn: Call) -> Call:
+    t.fill_(1.0)
+    return fn
+
+
+def _packed_round(grads: list[torch.Tensor], out: dict[str, list[float]]) -> None:
+    """One round of the packed case: 100 x 10k floats as 100 gloo calls vs one packed SHM / GLOO call."""
+    out["gloo-100-calls"].append(_time(lambda: [dist.all_reduce(g) for g in grads], 20))
+    for name in ("SHM", "GLOO"):
+        opts = C.CommunicationOptions(implementation=name, timeout_seconds=300)
+        out[name.lower()].append(_time(functools.partial(C.all_reduce_, grads, options=opts), 20))
+
+
+def _progress(enabled: bool, round_: int, labels: list[str], label: str) -> None:
+    if enabled:
+        print(f"PROGRESS {round_ * len(labels) + labels.index(label) + 1} {label}", flush=True)
+
+
+def main() -> None:
+    a = _parse()
+    _simulate_hosts(a.simulate_hosts)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts: list[object] = [None] * world
+    dist.all_gather_object(hosts, topology.host_id())
+    impls = [s for s in a.impls.split(",") if s and (s != ROOFLINE or world >= 2)]
+    cases = [(int(s), i) for s in a.sizes.split(",") if s for i in impls]
+    rounds = max(1, a.rounds)
+    packed_case = any(i in SHM_IMPLS for i in impls)
+    ring = LoopbackRing(dist.distributed_c10d._get_default_store(), rank, world) if ROOFLINE in impls else None
+    prepare, checks = _cases(cases, ring)
+    per_case: dict[Case, list[float]] = {c: [] for c in cases}
     grads = [torch.ones(10_000) for _ in range(100)]
-    packed_rounds: dict = {"gloo-100-calls": [], "shm": [], "gloo": []}
-    for _ in range(rounds):
+    packed_rounds: dict[str, list[float]] = {"gloo-100-calls": [], "shm": [], "gloo": []}
+    labels = [f"{impl}@{nbytes}" for nbytes, impl in cases] + (["packed"] if packed_case else [])
+    for r in range(rounds):
         for nbytes, impl in cases:
             checks[(nbytes, impl)]()
-            if impl == ROOFLINE:
-                fn = calls[(nbytes, impl)]
-            else:
-                t, fn = calls[(nbytes, impl)]
-                t.fill_(1.0)
-            per_case[(nbytes, impl)].append(_time(fn, _iters(nbytes)))
-            progress(f"{impl}@{nbytes}")
-        if packed_case:  # 100 x 10k floats
-            packed_rounds["gloo-100-calls"].append(_time(lambda: [dist.all_reduce(g) for g in grads], 20))
-            for name in ("SHM", "GLOO"):
-                opts = C.CommunicationOptions(implementation=name, timeout_seconds=300)
-                packed_rounds[name.lower()].append(_time(functools.partial(C.all_reduce_, grads, options=opts), 20))
-            progress("packed")
+            per_case[(nbytes, impl)].append(_time(prepare[(nbytes, impl)](), _iters(nbytes)))
+            _progress(a.progress and rank == 0, r, labels, f"{impl}@{nbytes}")
+        if packed_case:
+            _packed_round(grads, packed_rounds)
+            _progress(a.progress and rank == 0, r, labels, "packed")
     rows = [{"size": nbytes, "implementation": impl, "seconds": median(per_case[(nbytes, impl)]),
              "rounds": per_case[(nbytes, impl)]} for nbytes, impl in cases]
     packed = {k: median(v) for k, v in packed_rounds.items()} if packed_case else None
-    buffer_bytes = ring.buffer_bytes if ring is not None else None
     hier_hosts = hier_plan = None
     if "hierarchical" in impls:  # what the backend made for HIERARCHICAL: its plan and how many hosts it saw
         target = C.api._target(None, C.CommunicationImplementation.HIERARCHICAL, False)
@@ -269,7 +290,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
                        "hierarchical_hosts": hier_hosts, "hierarchical_plan": hier_plan,
-                       "socket_buffer_bytes": buffer_bytes,
+                       "socket_buffer_bytes": ring.buffer_bytes if ring is not None else None,
                        "torch": torch.__version__, "cpus": os.cpu_count()}, f)
     dist.barrier()
     dist.destroy_process_group()

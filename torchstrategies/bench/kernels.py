@@ -40,6 +40,7 @@ import torch
 
 from torchstrategies import ops
 from torchstrategies.bench.report import BenchResult, median
+from torchstrategies.env_info import cpu_model
 
 __all__ = ["run", "plot", "thread_counts", "METHODS", "COLUMNS"]
 
@@ -175,7 +176,7 @@ def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, 
                  "/ the method's")
     meta = {
         "torch": torch.__version__, "threads": counts, "default_threads": default_threads,
-        "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name(), "repeats": repeats,
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": cpu_model(), "repeats": repeats,
         "loadavg": _loadavg(), "roofline_gbps": roofline, "dtype": "float32",
         "roles": {"impl": "method", "size": "elements", "time": "ms", "group": "N"},  # for compare
     }
@@ -187,17 +188,6 @@ def _loadavg() -> list[float] | None:
         return list(os.getloadavg())
     except OSError:
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def plot(result: BenchResult, path: str) -> None:

@@ -1,13 +1,61 @@
-"""Runs a benchmark's torchrun job, turning its ``PROGRESS`` lines into a progress bar."""
+"""Runs a benchmark's torchrun job, turning its ``PROGRESS`` lines into a progress bar.
+
+:func:`run_job` is the one launch of ``bench allreduce``, ``bench train`` and ``bench train-ps``: torchrun on
+a worker module that writes its timings as JSON (rank 0), read back here; :func:`job_env` is the job's
+environment and :func:`worker_spec` the worker's side of a spec passed as ``--spec JSON``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import subprocess
 import sys
 import tempfile
 import threading
+from typing import Any
 
-__all__ = ["run_torchrun"]
+__all__ = ["run_torchrun", "run_job", "job_env", "worker_spec"]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """This environment for a torchrun job: ``OMP_NUM_THREADS`` 1 unless set, a ``PYTHONPATH`` that finds
+    this package, the current directory and this interpreter's paths, and ``extra``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([root, os.getcwd(), *sys.path])
+    return env
+
+
+def run_job(module: str, nproc: int, args: list[str], env: dict[str, str], *, total: int, desc: str,
+            progress: bool, timeout: float | None = None) -> dict[str, Any]:
+    """Runs ``torchrun --standalone --nproc_per_node nproc -m module *args --json OUT`` (see
+    :func:`run_torchrun`) and returns the JSON object the job wrote to OUT.
+
+    Raises:
+        RuntimeError: the job failed, timed out or wrote no results.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, *args, "--json", out]
+        run_torchrun(cmd, env, total=total, desc=desc, progress=progress, timeout=timeout)
+        if not os.path.exists(out):
+            raise RuntimeError(f"{desc}: the job wrote no results: {' '.join(cmd)}")
+        with open(out) as f:
+            data: dict[str, Any] = json.load(f)
+    return data
+
+
+def worker_spec(argv: list[str] | None = None) -> tuple[dict[str, Any], str]:
+    """In a worker that :func:`run_job` started with ``["--spec", json.dumps(spec)]``: (spec, output path)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+    return json.loads(a.spec), a.json
 
 
 def run_torchrun(cmd: list[str], env: dict[str, str], *, total: int, desc: str, progress: bool,

@@ -33,7 +33,10 @@ import secrets
 import select
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = ["LoopbackRing", "ring_bytes", "socket_buffer_bytes", "HOST", "BUFFER_ENV"]
 
@@ -87,7 +90,7 @@ class LoopbackRing:
             came from the left one, within ``timeout``.
     """
 
-    def __init__(self, store: Any, rank: int, world: int, timeout: float = 300.0) -> None:
+    def __init__(self, store: Store, rank: int, world: int, timeout: float = 300.0) -> None:
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"LoopbackRing needs world >= 2 and 0 <= rank < world, got rank {rank}, world {world}")
         self.rank, self.world, self.timeout = rank, world, timeout

@@ -10,12 +10,14 @@ Example:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["BenchResult", "median", "timeit", "progress"]
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["BenchResult", "median", "progress", "bar_chart"]
 
 T = TypeVar("T")
 
@@ -59,7 +61,7 @@ class BenchResult:
             raise ValueError(f"{path} is not a benchmark result: it lacks {missing}")
         return BenchResult.from_dict(d)
 
-    def print(self, console: Any = None) -> None:
+    def print(self, console: Console | None = None) -> None:
         """Prints the table with rich (aligned columns, numbers right-justified)."""
         from rich.console import Console
         from rich.table import Table
@@ -84,7 +86,7 @@ class BenchResult:
         return "\n".join(lines)
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: object) -> str:
     if isinstance(v, float):
         if v == 0 or 0.01 <= abs(v) < 1e5:
             return f"{v:.2f}"
@@ -96,21 +98,6 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
-def timeit(fn, *, repeats: int = 10, warmup: int = 2, min_time: float = 0.0) -> list[float]:
-    """Runs ``fn`` ``warmup`` times, then returns ``repeats`` wall times in seconds (more if ``min_time``)."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    total = 0.0
-    while len(times) < repeats or total < min_time:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        total += dt
-    return times
 
 
 def progress(
@@ -128,3 +115,22 @@ def progress(
         for item in items:
             yield item
             bar.advance(task)
+
+
+def bar_chart(result: BenchResult, path: str, metric: str, references: tuple[str, ...] = ()) -> None:
+    """One horizontal bar per row of ``result``: ``metric`` by ``runner``, the ``references`` in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["runner"] for r in result.rows]
+    values = [r[metric] for r in result.rows]
+    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.35 * len(names)))
+    ax.barh(names, values, color=["#888" if n in references else "#3a7" for n in names])
+    ax.set_xlabel(f"{metric} (higher is better)")
+    ax.set_title(result.title, fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

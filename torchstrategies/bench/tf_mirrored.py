@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from types import ModuleType
 from typing import Any
 
 __all__ = ["main"]
@@ -55,7 +56,7 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _build(tf: Any, np: Any, a: argparse.Namespace, strategy: Any) -> Any:
+def _build(tf: ModuleType, np: ModuleType, a: argparse.Namespace, strategy: Any) -> Any:
     """The variables, per-replica data and traced step of ``strategy``; returns the step function."""
     rng = np.random.default_rng(a.seed)
     with strategy.scope():

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from torchstrategies.bench.launch import run_torchrun
-from torchstrategies.bench.report import BenchResult, median
+from torchstrategies.bench.launch import job_env, run_job, worker_spec
+from torchstrategies.bench.mlp import SIZES, mlp
+from torchstrategies.bench.report import BenchResult, bar_chart, median
 from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
 
-__all__ = ["run", "plot", "register_runner", "RUNNERS", "RUNNER_MODULES", "BenchContext", "main"]
+__all__ = ["run", "plot", "register_runner", "RUNNERS", "RUNNER_MODULES", "BenchContext"]
 
-SIZES = (784, 1024, 1024, 10)
 # Modules imported by the worker before it looks up runners; each may call register_runner(...).
 RUNNER_MODULES: list[str] = []
 
@@ -67,15 +65,6 @@ def register_runner(name: str, setup: Runner, default: bool = True) -> None:
         DEFAULT_ORDER.append(name)
 
 
-def make_mlp() -> Any:
-    import torch
-
-    layers: list[Any] = []
-    for a, b in zip(SIZES[:-1], SIZES[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
 def _data(ctx: BenchContext) -> tuple[Any, Any]:
     import torch
 
@@ -93,7 +82,7 @@ def _ddp(backend: str) -> Runner:
 
         group = None if backend == "gloo" else dist.new_group(backend=backend)
         torch.manual_seed(ctx.seed)
-        model = DDP(make_mlp(), process_group=group)
+        model = DDP(mlp(), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = _data(ctx)
 
@@ -134,7 +123,7 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
                     os.environ[k] = v
         with strategy.scope():
             torch.manual_seed(ctx.seed)
-            model = make_mlp()
+            model = mlp()
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = _data(ctx)
         global_batch = ctx.batch * ctx.world_size
@@ -166,7 +155,7 @@ for _impl in _implementations():
 register_runner("no-comm", _mwms(None, no_comm=True))
 
 # --- the torchrun worker ------------------------------------------------------------------------------------
-def _worker(args: dict[str, Any]) -> None:
+def _worker(args: dict[str, Any], out: str) -> None:
     import importlib
 
     import torch
@@ -178,31 +167,45 @@ def _worker(args: dict[str, Any]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = BenchContext(rank, world, args["batch"])
-    names, steps, warmup, rounds = args["runners"], args["steps"], args["warmup"], args["rounds"]
+    names, rounds = args["runners"], args["rounds"]
     times: dict[str, list[float]] = {n: [] for n in names}
-    total = rounds * len(names)
-    done = 0
-    for _ in range(rounds):
-        for name in names:
-            step, teardown = RUNNERS[name](ctx)
-            for _ in range(warmup):
-                step()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            dist.barrier()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(float(dt.item()))
-            teardown()
-            done += 1
+    for r in range(rounds):
+        for i, name in enumerate(names):
+            times[name].append(_time_runner(RUNNERS[name](ctx), args["steps"], args["warmup"]))
             if rank == 0:
-                print(f"PROGRESS {done} {total} {name}", flush=True)
+                print(f"PROGRESS {r * len(names) + i + 1} {rounds * len(names)} {name}", flush=True)
     if rank == 0:
-        with open(args["json"], "w") as f:
+        with open(out, "w") as f:
             json.dump({"times": times}, f)
     dist.destroy_process_group()
+
+
+def _time_runner(runner: tuple[Callable[[], None], Callable[[], None]], steps: int, warmup: int) -> float:
+    """Seconds for ``steps`` steps after ``warmup``, the slowest rank's (a collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    step, teardown = runner
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    teardown()
+    return float(dt.item())
+
+
+def _ratios(row: dict[str, Any], base: float | None, ceiling: float | None) -> dict[str, Any]:
+    """``row`` with its samples/s over ddp's and as a percentage of no-comm's (blank where either is absent)."""
+    rate = row["samples/s"]
+    numeric = isinstance(rate, (int, float))
+    row["vs ddp"] = rate / base if base and numeric else ""
+    row["% of no-comm"] = 100.0 * rate / ceiling if ceiling and numeric else ""
+    return row
 
 
 def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, warmup: int = 10, rounds: int = 3,
@@ -233,6 +236,54 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
         tf_python = os.environ.get(ENV_TF_PYTHON) or None
     if tf_python is not None and not in_process:
         raise ValueError(f"tf_python={tf_python!r} adds in-process rows; it needs in_process=True")
+    names = _runner_names(strategies, modules)
+    env = job_env()
+    load0 = os.getloadavg()
+    spec = {"runners": names, "steps": steps, "warmup": warmup, "rounds": rounds, "batch": batch,
+            "modules": list(modules or [])}
+    times = run_job("torchstrategies.bench.train", nproc, ["--spec", json.dumps(spec)], env,
+                    total=rounds * len(names), desc="bench train", progress=progress)["times"]
+    rate = {n: nproc * batch * steps / median(times[n]) for n in names}
+    base, ceiling = rate.get("ddp"), rate.get("no-comm")
+    rows = [_ratios({"runner": n, "samples/s": rate[n], "ms/step": 1e3 * median(times[n]) / steps}, base, ceiling)
+            for n in names]
+    import torch
+
+    result = BenchResult(
+        title=f"Training throughput, MLP {'-'.join(map(str, SIZES))}, batch {batch}/rank, {nproc} ranks",
+        columns=["runner", "samples/s", "ms/step", "vs ddp", "% of no-comm"],
+        rows=rows,
+        notes=[f"median of {rounds} interleaved rounds of {steps} steps after {warmup} warm-up steps; "
+               f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; "
+               f"load average before/after: {load0[0]:.1f}/{os.getloadavg()[0]:.1f} (other processes share "
+               "the cores: compare rows of one run, not runs)"],
+        meta={"nproc": nproc, "steps": steps, "rounds": rounds, "batch": batch, "times": times},
+    )
+    if parameter_server:
+        _append_ps_row(result, nproc, steps, warmup, rounds, batch, progress, base, ceiling)
+    if in_process:
+        from torchstrategies.bench import train_inproc
+
+        _append(result, train_inproc.run(steps=steps, warmup=warmup, rounds=rounds,
+                                         threads=int(env["OMP_NUM_THREADS"]), tf_python=tf_python,
+                                         tf_inter_op=tf_inter_op))
+    return result
+
+
+def _append(result: BenchResult, inproc: BenchResult) -> None:
+    """Appends the in-process rows (``bench inproc``) to the torchrun rows, with their extra columns."""
+    result.columns += [c for c in inproc.columns if c not in result.columns]
+    result.rows = [{c: r.get(c, "") for c in result.columns} for r in result.rows + inproc.rows]
+    result.notes += ["in-process rows: measured in this process after the torchrun job, with "
+                     "OMP_NUM_THREADS torch thread(s)", *inproc.notes]
+
+
+def _runner_names(strategies: list[str] | None, modules: list[str] | None) -> list[str]:
+    """The runners to time: ``strategies``, or every default one (after importing ``modules``).
+
+    Raises:
+        ValueError: an unknown runner (the message lists the known ones).
+    """
     for m in RUNNER_MODULES + list(modules or []):
         __import__(m)
     names = list(strategies) if strategies else (
@@ -240,124 +291,26 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
     unknown = [n for n in names if n not in RUNNERS]
     if unknown:
         raise ValueError(f"unknown runner(s) {unknown}; known: {sorted(RUNNERS)}")
-    load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        spec = json.dumps({"runners": names, "steps": steps, "warmup": warmup, "rounds": rounds, "batch": batch,
-                           "json": out, "modules": list(modules or [])})
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "torchstrategies.bench.train", "--worker", spec]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-        run_torchrun(cmd, env, total=rounds * len(names), desc="bench train", progress=progress)
-        with open(out) as f:
-            times = json.load(f)["times"]
-    samples = nproc * batch * steps
-    rate = {n: samples / median(times[n]) for n in names}
-    base = rate.get("ddp")
-    ceiling = rate.get("no-comm")
-    rows = []
-    for n in names:
-        row: dict[str, Any] = {"runner": n, "samples/s": rate[n],
-                               "ms/step": 1e3 * median(times[n]) / steps}
-        row["vs ddp"] = rate[n] / base if base else ""
-        row["% of no-comm"] = 100.0 * rate[n] / ceiling if ceiling else ""
-        rows.append(row)
-    notes_extra = []
-    import torch
+    return names
 
-    if parameter_server:
-        from torchstrategies.bench import train_ps
 
-        ps_result = train_ps.run(nproc=nproc + 2, num_ps=1, steps=steps, warmup=warmup, rounds=rounds, batch=batch,
-                                 progress=progress)
-        for row in train_ps.rows_for_train_table(ps_result):
-            r = {c: row.get(c, "") for c in ("runner", "samples/s", "ms/step")}
-            if isinstance(r["samples/s"], (int, float)):
-                r["vs ddp"] = r["samples/s"] / base if base else ""
-                r["% of no-comm"] = 100.0 * r["samples/s"] / ceiling if ceiling else ""
-            rows.append(r)
-        notes_extra.append(f"ParameterServer row: a separate torchrun job of {nproc + 2} processes "
-                           f"(chief, 1 ps, {nproc} workers), asynchronous training")
-    columns = ["runner", "samples/s", "ms/step", "vs ddp", "% of no-comm"]
-    if in_process:
-        from torchstrategies.bench import train_inproc
+def _append_ps_row(result: BenchResult, nproc: int, steps: int, warmup: int, rounds: int, batch: int,
+                   progress: bool, base: float | None, ceiling: float | None) -> None:
+    """Runs ``bench train-ps`` with ``nproc`` workers (chief, 1 ps) and appends its ps-async row."""
+    from torchstrategies.bench import train_ps
 
-        threads = int(env["OMP_NUM_THREADS"])
-        inproc = train_inproc.rows(steps=steps, warmup=warmup, rounds=rounds, threads=threads,
-                                   tf_python=tf_python, tf_inter_op=tf_inter_op)
-        extra = ["steps/s", "overhead us/replica", "above 1-pass torch us/replica"]
-        if tf_python is not None:
-            extra.append(train_inproc.TF_COLUMN)
-        rows.extend({c: r.get(c, "") for c in columns + extra} for r in inproc)
-        columns += extra
-        notes_extra.append("in-process rows: measured in this process after the torchrun job, "
-                           f"{threads} torch thread(s) as OMP_NUM_THREADS; overhead rows: MLP 64-64-10, "
-                           "global batch 32, overhead = '(step - plain torch step on the same N batch slices) / N "
-                           "replicas'; compiled rows: MLP "
-                           f"{'-'.join(map(str, SIZES))}, global batch 64, model compiled in scope")
-        notes_extra += [r["note"] for r in inproc if "note" in r]
-        if tf_python is None:
-            notes_extra.append("TF 2.21 baseline rows (MirroredStrategy(2), OneDeviceStrategy) are left out: add "
-                               f"them with --tf-python PATH or {ENV_TF_PYTHON}=PATH, a Python that has TensorFlow")
-
-    return BenchResult(
-        title=f"Training throughput, MLP {'-'.join(map(str, SIZES))}, batch {batch}/rank, {nproc} ranks",
-        columns=columns,
-        rows=rows,
-        notes=[f"median of {rounds} interleaved rounds of {steps} steps after {warmup} warm-up steps; "
-               f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; "
-               f"load average before/after: {load0[0]:.1f}/{os.getloadavg()[0]:.1f} (other processes share "
-               "the cores: compare rows of one run, not runs)"] + notes_extra,
-        meta={"nproc": nproc, "steps": steps, "rounds": rounds, "batch": batch, "times": times},
-    )
+    ps = train_ps.run(nproc=nproc + 2, num_ps=1, steps=steps, warmup=warmup, rounds=rounds, batch=batch,
+                      progress=progress)
+    for row in train_ps.rows_for_train_table(ps):
+        result.rows.append(_ratios({c: row.get(c, "") for c in ("runner", "samples/s", "ms/step")}, base, ceiling))
+    result.notes.append(f"ParameterServer row: a separate torchrun job of {nproc + 2} processes "
+                        f"(chief, 1 ps, {nproc} workers), asynchronous training")
 
 
 def plot(result: BenchResult, path: str) -> None:
     """Bar chart of samples/s per runner."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["runner"] for r in result.rows]
-    rates = [r["samples/s"] for r in result.rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh(names, rates, color=["#888" if n in ("ddp", "no-comm") else "#3a7" for n in names])
-    ax.set_xlabel("samples/s (higher is better)")
-    ax.set_title(result.title, fontsize=9)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart(result, path, "samples/s", references=("ddp", "no-comm"))
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--strategies", default="", help="comma-separated runner names")
-    p.add_argument("--json", default="")
-    p.add_argument("--plot", default="")
-    p.add_argument("--parameter-server", action="store_true", help="append the ParameterServerStrategy row")
-    p.add_argument("--no-in-process", action="store_true", help="skip the in-process overhead/compile rows")
-    a = p.parse_args(argv)
-    if a.worker:
-        _worker(json.loads(a.worker))
-        return
-    result = run(nproc=a.nproc, steps=a.steps, rounds=a.rounds,
-                 strategies=[s for s in a.strategies.split(",") if s] or None,
-                 parameter_server=a.parameter_server, in_process=not a.no_in_process)
-    result.print()
-    if a.json:
-        result.write_json(a.json)
-    if a.plot:
-        plot(result, a.plot)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the torchrun worker that run() launches
+    _worker(*worker_spec())

@@ -16,9 +16,12 @@ interleaved over ``rounds`` (medians):
   model (``tf_mirrored.py`` in a subprocess, one round of it after each torch round) and adds the column
   ``vs TF Mirrored(2)``: a row's steps/s over TF MirroredStrategy(2)'s, both from this run.
 
+``torchstrategies bench inproc`` runs them alone; ``bench train`` appends them to its table.
+
 Example:
     >>> from torchstrategies.bench import train_inproc
-    >>> rows = train_inproc.rows(steps=5, warmup=2, rounds=1, groups=("overhead",))   # doctest: +SKIP
+    >>> r = train_inproc.run(steps=5, warmup=2, rounds=1, groups=("overhead",))   # doctest: +SKIP
+    >>> r.print()                                                                    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -26,26 +29,26 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchstrategies.bench.report import median
+from torchstrategies.bench.mlp import SIZES as COMPILE_SIZES
+from torchstrategies.bench.mlp import mlp as _mlp
+from torchstrategies.bench.report import BenchResult, median
+from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
 
-__all__ = ["rows", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN"]
+if TYPE_CHECKING:
+    import torch
+
+    from torchstrategies.bench.tf_baseline import TFBaseline
+    from torchstrategies.distribute.distribute_lib import Strategy
+
+__all__ = ["run", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN", "COLUMNS"]
 
 OVERHEAD_SIZES = (64, 64, 10)
-COMPILE_SIZES = (784, 1024, 1024, 10)
 COMPILE_BATCH = 64
 LR = 0.01
 TF_COLUMN = "vs TF Mirrored(2)"
-
-
-def _mlp(sizes: Sequence[int]) -> Any:
-    import torch
-
-    layers: list[Any] = []
-    for a, b in zip(sizes[:-1], sizes[1:], strict=False):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+COLUMNS = ["runner", "samples/s", "ms/step", "steps/s", "overhead us/replica", "above 1-pass torch us/replica"]
 
 
 def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled: bool) -> Callable[[], None]:
@@ -78,7 +81,7 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
             opt.step()
 
         return sliced
-    strategy: Any = (
+    strategy: Strategy = (
         ts.OneDeviceStrategy("cpu") if kind == "one_device" else ts.MirroredStrategy(num_replicas=replicas)
     )
     with strategy.scope():
@@ -86,14 +89,14 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         fwd = torch.compile(model) if compiled else model
     n = strategy.num_replicas_in_sync
-    def split(t: Any) -> Any:
+    def split(t: torch.Tensor) -> object:
         return strategy.experimental_distribute_values_from_function(
             lambda c: t.chunk(n)[c.replica_id_in_sync_group]
         )
 
     xs, ys = split(x), split(y)
 
-    def replica_step(xb: Any, yb: Any) -> None:
+    def replica_step(xb: torch.Tensor, yb: torch.Tensor) -> None:
         opt.zero_grad()
         per_example = torch.nn.functional.cross_entropy(fwd(xb), yb, reduction="none")
         ts.compute_average_loss(per_example, global_batch_size=batch).backward()
@@ -114,7 +117,7 @@ def _time(step: Callable[[], None], steps: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def rows(
+def run(
     steps: int = 200,
     warmup: int = 20,
     rounds: int = 3,
@@ -122,8 +125,8 @@ def rows(
     threads: int | None = None,
     tf_python: str | None = None,
     tf_inter_op: int | None = None,
-) -> list[dict[str, Any]]:
-    """Measures the in-process rows; returns them in ``bench/train.py``'s table shape plus extra columns.
+) -> BenchResult:
+    """Measures the in-process rows (``torchstrategies bench inproc``; ``bench train`` appends them).
 
     Args:
         steps / warmup / rounds: timed steps (the compile group times ``steps // 10``), untimed steps and
@@ -133,6 +136,9 @@ def rows(
             TF's intra-op threads are the same number.
         tf_python: a Python executable with TensorFlow: adds TF's rows to the compile group (None: no TF).
         tf_inter_op: TF inter-op threads; None gives one per replica (``TFBaseline``'s default).
+
+    Returns:
+        A BenchResult with :data:`COLUMNS` (and :data:`TF_COLUMN` with ``tf_python``), one row per case.
 
     Raises:
         ValueError: ``tf_python`` without the compile group.
@@ -146,21 +152,35 @@ def rows(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        used = torch.get_num_threads()
         if tf_python is None:
-            return _rows(steps, warmup, rounds, groups, None)
-        from torchstrategies.bench.tf_baseline import TFBaseline
+            out = _rows(steps, warmup, rounds, groups, None)
+        else:
+            from torchstrategies.bench.tf_baseline import TFBaseline
 
-        with TFBaseline(tf_python, replicas=2, threads=torch.get_num_threads(), inter_op=tf_inter_op,
-                        sizes=COMPILE_SIZES, batch=COMPILE_BATCH, lr=LR) as tf:
-            return _rows(steps, warmup, rounds, groups, tf)
+            with TFBaseline(tf_python, replicas=2, threads=used, inter_op=tf_inter_op, sizes=COMPILE_SIZES,
+                            batch=COMPILE_BATCH, lr=LR) as tf:
+                out = _rows(steps, warmup, rounds, groups, tf)
     finally:
         torch.set_num_threads(before)
+    notes = [f"median of {rounds} interleaved rounds; {used} torch thread(s); overhead rows: MLP 64-64-10, "
+             "global batch 32, overhead = '(step - plain torch step on the same N batch slices) / N replicas'; "
+             f"compiled rows: MLP {'-'.join(map(str, COMPILE_SIZES))}, global batch {COMPILE_BATCH}, model "
+             "compiled in scope"]
+    notes += [r.pop("note") for r in out if "note" in r]
+    if tf_python is None and "compile" in groups:
+        notes.append("TF 2.21 baseline rows (MirroredStrategy(2), OneDeviceStrategy) are left out: add "
+                     f"them with --tf-python PATH or {ENV_TF_PYTHON}=PATH, a Python that has TensorFlow")
+    columns = COLUMNS + ([TF_COLUMN] if tf_python is not None else [])
+    return BenchResult(f"In-process training steps, {used} torch thread(s)", columns,
+                       [{c: r.get(c, "") for c in columns} for r in out], notes,
+                       {"steps": steps, "warmup": warmup, "rounds": rounds, "groups": list(groups)})
 
 
 Case = tuple[str, str, str, int, Sequence[int], int, bool]
 
 
-def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: Any) -> list[dict[str, Any]]:
+def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBaseline | None) -> list[dict[str, Any]]:
     cases: list[Case] = []
     s: Sequence[int]
     if "overhead" in groups:
@@ -195,6 +215,7 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: Any) 
         c[1]: functools.partial(_time, _setup(c[2], c[3], c[4], c[5], c[6])) for c in cases
     }
     for c in tf_cases:
+        assert tf is not None
         timers[c[1]] = functools.partial(tf.seconds_per_step, c[2].split(":", 1)[1])
     cases += tf_cases
     times: dict[str, list[float]] = {c[1]: [] for c in cases}
@@ -214,7 +235,7 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: Any) 
             row["above 1-pass torch us/replica"] = 1e6 * (t - plain[1]) / replicas
         if group == "compile" and tf_mirrored is not None:
             row[TF_COLUMN] = tf_mirrored / t
-        if kind == "tf:mirrored":
+        if kind == "tf:mirrored" and tf is not None:
             row["note"] = _tf_note(tf.info)
         out.append(row)
     return out

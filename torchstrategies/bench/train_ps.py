@@ -1,4 +1,4 @@
-"""Training throughput of ParameterServerStrategy: ``python -m torchstrategies.bench.train_ps --nproc 4``.
+"""Training throughput of ParameterServerStrategy: ``torchstrategies bench train-ps --nproc 4``.
 
 One torchrun job (launched here): rank 0 is the chief, ranks 1..num_ps are parameter servers, the rest are
 workers. The chief trains the benchmark MLP (784-1024-1024-10, synthetic data, SGD, ``batch`` samples per
@@ -20,29 +20,22 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchstrategies.bench.launch import run_torchrun
-from torchstrategies.bench.report import BenchResult, median
+from torchstrategies.bench.launch import job_env, run_job, worker_spec
+from torchstrategies.bench.mlp import SIZES, mlp
+from torchstrategies.bench.report import BenchResult, bar_chart, median
 
-__all__ = ["run", "plot", "rows_for_train_table", "main"]
-
-SIZES = (784, 1024, 1024, 10)
-
-
-def _mlp():
+if TYPE_CHECKING:
     import torch
 
-    layers: list[Any] = []
-    for a, b in zip(SIZES[:-1], SIZES[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+    from torchstrategies.cluster_resolver import TorchrunClusterResolver
+
+__all__ = ["run", "plot", "rows_for_train_table"]
 
 
-def _batches(batch: int, n: int = 8, seed: int = 0):
+def _batches(batch: int, n: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +43,7 @@ def _batches(batch: int, n: int = 8, seed: int = 0):
             for _ in range(n)]
 
 
-def _chief(resolver, args: dict[str, Any]) -> dict[str, Any]:
+def _chief(resolver: TorchrunClusterResolver, args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import torchstrategies as ts
@@ -60,7 +53,7 @@ def _chief(resolver, args: dict[str, Any]) -> dict[str, Any]:
 
     # Single-process baseline, same model, same steps.
     torch.manual_seed(0)
-    local = _mlp()
+    local = mlp()
     local_opt = torch.optim.SGD(local.parameters(), lr=0.01)
     single: list[float] = []
     for _ in range(rounds):
@@ -75,11 +68,11 @@ def _chief(resolver, args: dict[str, Any]) -> dict[str, Any]:
     strategy = ts.ParameterServerStrategy(resolver)
     with strategy.scope():
         torch.manual_seed(0)
-        model = _mlp()
+        model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     coordinator = ts.coordinator.ClusterCoordinator(strategy)
 
-    def step(x, y):
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -103,20 +96,19 @@ def _chief(resolver, args: dict[str, Any]) -> dict[str, Any]:
     return {"single": single, "ps": ps_times, "traffic": traffic}
 
 
-def _worker(args: dict[str, Any]) -> None:
+def _worker(args: dict[str, Any], out: str) -> None:
     import torch
 
     import torchstrategies as ts
-    from torchstrategies.strategies.parameter_server import Server
+    from torchstrategies.parameter_server import Server
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=args["num_ps"])
     if resolver.task_type != "chief":
         Server(resolver).join()
         return
-    out = _chief(resolver, args)
-    with open(args["json"], "w") as f:
-        json.dump(out, f)
+    with open(out, "w") as f:
+        json.dump(_chief(resolver, args), f)
 
 
 def run(nproc: int = 4, num_ps: int = 1, steps: int = 100, warmup: int = 10, rounds: int = 3, batch: int = 64,
@@ -130,19 +122,12 @@ def run(nproc: int = 4, num_ps: int = 1, steps: int = 100, warmup: int = 10, rou
     workers = nproc - 1 - num_ps
     if num_ps < 1 or workers < 1:
         raise ValueError(f"nproc={nproc} with num_ps={num_ps} leaves {workers} workers; need at least one")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        spec = json.dumps({"num_ps": num_ps, "steps": steps, "warmup": warmup, "rounds": rounds, "batch": batch,
-                           "json": out})
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "torchstrategies.bench.train_ps", "--worker", spec]
-        from torchstrategies.strategies.parameter_server.auth import with_job_secret
+    from torchstrategies.parameter_server.rpc.auth import with_job_secret
 
-        env = with_job_secret(dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                                   PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path)))
-        run_torchrun(cmd, env, total=rounds, desc="bench train (ps)", progress=progress)
-        with open(out) as f:
-            data = json.load(f)
+    env = with_job_secret(job_env())
+    spec = {"num_ps": num_ps, "steps": steps, "warmup": warmup, "rounds": rounds, "batch": batch}
+    data = run_job("torchstrategies.bench.train_ps", nproc, ["--spec", json.dumps(spec)], env, total=rounds,
+                   desc="bench train (ps)", progress=progress)
     single = median(data["single"])
     ps = median(data["ps"])
     pulled = median([p for p, _ in data["traffic"]]) / steps
@@ -177,46 +162,8 @@ def rows_for_train_table(result: BenchResult) -> list[dict[str, Any]]:
 
 def plot(result: BenchResult, path: str) -> None:
     """Bar chart of steps/s per runner."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["runner"] for r in result.rows]
-    rates = [r["steps/s"] for r in result.rows]
-    fig, ax = plt.subplots(figsize=(7, 2.5))
-    ax.barh(names, rates, color=["#888", "#3a7"][: len(names)])
-    ax.set_xlabel("steps/s (higher is better)")
-    ax.set_title(result.title, fontsize=8)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart(result, path, "steps/s", references=("single-process",))
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--num-ps", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--json", default="")
-    p.add_argument("--plot", default="")
-    a = p.parse_args(argv)
-    if a.worker:
-        _worker(json.loads(a.worker))
-        return
-    result = run(nproc=a.nproc, num_ps=a.num_ps, steps=a.steps, rounds=a.rounds, batch=a.batch)
-    result.print()
-    if a.json:
-        result.write_json(a.json)
-    if a.plot:
-        plot(result, a.plot)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the torchrun worker that run() launches
+    _worker(*worker_spec())

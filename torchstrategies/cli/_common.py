@@ -1,4 +1,5 @@
-"""Helpers shared by the CLI commands: lazy loading of bench modules, size parsing, result output.
+"""Helpers shared by the CLI commands: lazy loading of bench modules, size parsing, the shared options and
+the one report path of every benchmark (:func:`emit_result`).
 
 The benchmarks live in ``torchstrategies.bench.<name>`` and land branch by branch, so every command
 imports its module only when it runs, and a missing module is a one-line error
@@ -14,9 +15,14 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from torchstrategies.bench.report import BenchResult
 
 __all__ = [
     "NotAvailable",
@@ -24,12 +30,18 @@ __all__ = [
     "module_available",
     "call_with_supported",
     "parse_size",
-    "format_size",
     "SizeType",
+    "SIZE_UNITS",
     "emit_result",
+    "nproc_option",
+    "sizes_option",
+    "repeats_option",
+    "count_option",
+    "output_options",
 ]
 
-_UNITS = {
+# Binary size suffixes (lower case) -> bytes or elements; recommend.py reads table cells with the same units.
+SIZE_UNITS = {
     "": 1,
     "b": 1,
     "k": 1 << 10,
@@ -70,7 +82,7 @@ def load_module(name: str) -> ModuleType:
         raise click.ClickException(f"{name} is in this build but failed to import: {exc}") from exc
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: object) -> int:
     """``"64K"`` -> 65536, ``"4 KiB"`` -> 4096, ``"1M"`` -> 1048576, ``"100"`` -> 100 (binary units).
 
     Raises:
@@ -83,22 +95,12 @@ def parse_size(text: str | int) -> int:
             raise ValueError(f"size must be >= 0, got {text}")
         return text
     m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
+    if not m or m.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 4KiB, 16M, 1GiB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    value = float(m.group(1)) * SIZE_UNITS[m.group(2).lower()]
     if value != int(value):
         raise ValueError(f"not a whole size: {text!r}")
     return int(value)
-
-
-def format_size(n: float, unit: str = "") -> str:
-    """4096 -> ``"4K"`` (``"4KiB"`` with unit ``"iB"``): the largest binary unit that divides evenly-ish."""
-    for suffix, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= factor:
-            v = n / factor
-            text = f"{v:.0f}" if abs(v - round(v)) < 1e-9 else f"{v:.3g}"
-            return f"{text}{suffix}{unit}"
-    return f"{int(n)}" + ("B" if unit else "")
 
 
 class SizeType(click.ParamType):
@@ -106,7 +108,7 @@ class SizeType(click.ParamType):
 
     name = "size"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
             return parse_size(value)
         except ValueError as exc:
@@ -147,7 +149,7 @@ def call_with_supported(
     return fn(**kwargs)
 
 
-def _adapt(value: Any, target: str) -> Any:
+def _adapt(value: object, target: str) -> object:
     """Tuples from ``multiple=True`` options become lists; a singular parameter gets the single value."""
     if isinstance(value, tuple):
         if not target.endswith("s") and len(value) == 1:
@@ -156,9 +158,23 @@ def _adapt(value: Any, target: str) -> Any:
     return value
 
 
-def emit_result(result: Any, module: ModuleType, json_path: str | None, plot_path: str | None) -> None:
-    """Prints ``result`` (a BenchResult), then writes ``--json`` and ``--plot`` files if asked."""
-    result.print()
+def emit_result(
+    result: BenchResult,
+    module: ModuleType,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    markdown: bool = False,
+    console: Console | None = None,
+) -> None:
+    """Every benchmark's one report path: prints ``result``'s table (and its Markdown with ``markdown``),
+    then writes ``--json`` and draws ``--plot`` with the module's ``plot(result, path)`` if asked.
+
+    Raises:
+        NotAvailable: ``plot_path`` is given and ``module`` has no ``plot``.
+    """
+    result.print(console)
+    if markdown:
+        click.echo(result.markdown())
     if json_path:
         _ensure_parent(json_path)
         result.write_json(json_path)
@@ -175,3 +191,43 @@ def emit_result(result: Any, module: ModuleType, json_path: str | None, plot_pat
 def _ensure_parent(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
+
+
+# ---- options several commands share (bench kernels / allreduce / train / train-ps, compare)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def nproc_option(help: str, minimum: int = 1, default: int = 2) -> Callable[[F], F]:
+    """``--nproc N``: the ranks a command launches."""
+    return click.option("--nproc", type=click.IntRange(minimum), default=default, show_default=True, help=help)
+
+
+def sizes_option(flag: str, dest: str, help: str) -> Callable[[F], F]:
+    """A repeatable size option (``--size 64K --size 16M``) into the parameter ``dest``."""
+    return click.option(flag, dest, type=SizeType(), multiple=True, help=help)
+
+
+def repeats_option(help: str = "Timed repetitions per point.") -> Callable[[F], F]:
+    """``--repeats K``; left at None so the bench module's own default applies."""
+    return count_option("--repeats", "repeats", help)
+
+
+def count_option(flag: str, dest: str, help: str, multiple: bool = False) -> Callable[[F], F]:
+    """A whole number >= 1 into ``dest`` (repeatable with ``multiple``); unset, it stays None (or ``()``) so
+    the bench module's own default applies."""
+    return click.option(flag, dest, type=click.IntRange(1), multiple=multiple, default=None, help=help)
+
+
+def output_options(fn: F) -> F:
+    """``--plot``, ``--json``, ``--markdown`` and ``--progress/--no-progress``: what :func:`emit_result` and
+    the progress bar need."""
+    fn = click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a chart (PNG).")(fn)
+    fn = click.option(
+        "--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON."
+    )(fn)
+    fn = click.option("--markdown", is_flag=True, help="Also print the table as Markdown (for docs).")(fn)
+    fn = click.option(
+        "--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr."
+    )(fn)
+    return fn

@@ -1,8 +1,9 @@
-"""``torchstrategies bench kernels | allreduce | train``: one front for the benchmark modules.
+"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc``: the one way to run a benchmark.
 
 Each subcommand imports ``torchstrategies.bench.<name>`` when it runs, calls its ``run(...)`` with the
 options the user gave (options left at their defaults are not passed, so the module's own defaults
-apply), prints the BenchResult table, and writes ``--json FILE`` / ``--plot FILE.png`` on request.
+apply), and hands the BenchResult to :func:`~torchstrategies.cli._common.emit_result`, which prints the
+table (``--markdown`` too) and writes ``--json FILE`` / ``--plot FILE.png`` on request.
 """
 
 from __future__ import annotations
@@ -10,45 +11,53 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import click
 
-from torchstrategies.cli._common import SizeType, call_with_supported, emit_result, load_module
+from torchstrategies.cli._common import (
+    NotAvailable,
+    call_with_supported,
+    count_option,
+    emit_result,
+    load_module,
+    nproc_option,
+    output_options,
+    repeats_option,
+    sizes_option,
+)
+
+if TYPE_CHECKING:
+    from torchstrategies.bench.report import BenchResult
 
 __all__ = ["bench", "run_bench"]
 
-# CLI option -> parameter names a bench module's run() may use for it, first preferred.
+# CLI option -> the parameter names a bench module's run() may take it as, first preferred, where they differ
+# from the option's own name (repeats: kernels' "repeats", the others' interleaved "rounds").
 ALIASES: dict[str, tuple[str, ...]] = {
-    "n": ("ns", "n_values", "num_tensors", "n"),
-    "kernel_sizes": ("sizes", "numels", "elements", "sizes_elements"),
-    "message_sizes": ("sizes", "sizes_bytes", "message_sizes", "nbytes"),
-    "impls": ("implementations", "impls", "implementation"),
-    "strategies": ("strategies", "strategy"),
-    "nproc": ("nproc", "world_size", "nproc_per_node"),
-    "simulate_hosts": ("simulate_hosts",),
-    "repeats": ("repeats", "rounds", "reps", "iters"),
-    "threads": ("threads",),
-    "steps": ("steps", "num_steps", "iters"),
-    "batch_size": ("batch_size", "batch", "per_rank_batch_size"),
-    "progress": ("progress",),
-    "parameter_server": ("parameter_server",),
-    "in_process": ("in_process",),
-    "tf_python": ("tf_python",),
-    "tf_inter_op": ("tf_inter_op",),
+    "n": ("ns",),
+    "kernel_sizes": ("sizes",),
+    "message_sizes": ("sizes",),
+    "impls": ("implementations",),
+    "repeats": ("repeats", "rounds"),
+    "batch_size": ("batch",),
 }
 
 BENCH_MODULES = {
     "kernels": "torchstrategies.bench.kernels",
     "allreduce": "torchstrategies.bench.allreduce",
     "train": "torchstrategies.bench.train",
+    "train-ps": "torchstrategies.bench.train_ps",
+    "inproc": "torchstrategies.bench.train_inproc",
 }
 
 
 def run_bench(
-    name: str, options: dict[str, Any], explicit: set[str], soft: AbstractSet[str] = frozenset()
-) -> tuple[Any, Any]:
-    """Runs bench ``name`` with ``options`` (keys of ALIASES); returns ``(result, module)``.
+    name: str, options: dict[str, object], explicit: AbstractSet[str], soft: AbstractSet[str] = frozenset()
+) -> tuple[BenchResult, ModuleType]:
+    """Runs bench ``name`` with ``options`` (the CLI option names; ALIASES maps them to ``run``'s); returns
+    ``(result, module)``.
 
     Keys in ``explicit`` must be accepted by the module's ``run``; keys in ``soft`` (and ``progress``) are
     passed only if it accepts them; the others are left to the module's defaults.
@@ -57,10 +66,8 @@ def run_bench(
         NotAvailable: the bench module is not in this build.
     """
     module = load_module(BENCH_MODULES[name])
-    run: Callable[..., Any] | None = getattr(module, "run", None)
+    run: Callable[..., BenchResult] | None = getattr(module, "run", None)
     if run is None:
-        from torchstrategies.cli._common import NotAvailable
-
         raise NotAvailable(f"{module.__name__}.run")
     opts = []
     for key, value in options.items():
@@ -68,7 +75,7 @@ def run_bench(
         mode: bool | None = (
             None if key == "progress" or (key in soft and key not in explicit) else key in explicit
         )
-        opts.append((flag, ALIASES[key], value, mode))
+        opts.append((flag, ALIASES.get(key, (key,)), value, mode))
     try:
         result = call_with_supported(run, f"{module.__name__}.run", opts)
     except click.ClickException:
@@ -79,21 +86,22 @@ def run_bench(
     return result, module
 
 
-def _explicit(ctx: click.Context, names: list[str]) -> set[str]:
+def _run_and_emit(
+    ctx: click.Context,
+    name: str,
+    options: dict[str, object],
+    *,
+    always: AbstractSet[str] = frozenset(),
+    soft: AbstractSet[str] = frozenset(),
+) -> None:
+    """Runs bench ``name`` with the command's options (those the user set, plus ``always``) and reports it
+    through ``emit_result`` with the command's ``--json`` / ``--plot`` / ``--markdown``."""
     from click.core import ParameterSource
 
-    return {n for n in names if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)}
-
-
-def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a chart (PNG).")(fn)
-    fn = click.option(
-        "--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON."
-    )(fn)
-    fn = click.option(
-        "--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr."
-    )(fn)
-    return fn
+    explicit = {k for k in options if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+    result, module = run_bench(name, options, explicit | always, soft=soft)
+    p = ctx.params
+    emit_result(result, module, p["json_path"], p["plot_path"], p["markdown"])
 
 
 @click.group()
@@ -102,54 +110,24 @@ def bench() -> None:
 
 
 @bench.command()
-@click.option(
-    "--n",
-    "n",
-    type=click.IntRange(1),
-    multiple=True,
-    help="Number of tensors summed (repeat: --n 2 --n 8). Default: the module's (2, 4, 8, 16).",
-)
-@click.option(
-    "--size",
-    "kernel_sizes",
-    type=SizeType(),
-    multiple=True,
-    help="Elements per tensor, e.g. 64K, 1M, 16M (repeat for several).",
-)
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repetitions per point.")
-@click.option(
-    "--threads",
-    "threads",
-    type=click.IntRange(1),
-    multiple=True,
-    help="torch thread count to measure every row at (repeat: --threads 1 --threads 4). Default: 1 and "
-    "torch's default.",
-)
-@_output_options
+@count_option("--n", "n", "Number of tensors summed (repeat: --n 2 --n 8). Default: the module's (2, 4, 8, 16).",
+              multiple=True)
+@sizes_option("--size", "kernel_sizes", "Elements per tensor, e.g. 64K, 1M, 16M (repeat for several).")
+@repeats_option()
+@count_option("--threads", "threads", "torch thread count to measure every row at (repeat: --threads 1 --threads "
+              "4). Default: 1 and torch's default.", multiple=True)
+@output_options
 @click.pass_context
-def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, json_path, plot_path) -> None:
+def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, **_) -> None:
     """Time the aggregation kernels (add_n, add_ loop, stack+sum, tree_reduce, accumulate_n), each at 1
     thread and at torch's default thread count, against the copy roofline at the same thread count."""
     opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "threads": threads, "progress": progress}
-    result, module = run_bench("kernels", opts, _explicit(ctx, list(opts)))
-    emit_result(result, module, json_path, plot_path)
+    _run_and_emit(ctx, "kernels", opts)
 
 
 @bench.command()
-@click.option(
-    "--nproc",
-    type=click.IntRange(1),
-    default=2,
-    show_default=True,
-    help="Ranks to launch (torchrun is started for you).",
-)
-@click.option(
-    "--size",
-    "message_sizes",
-    type=SizeType(),
-    multiple=True,
-    help="Message size in bytes, e.g. 4KiB, 1MiB, 64MiB (repeat for several).",
-)
+@nproc_option("Ranks to launch (torchrun is started for you).")
+@sizes_option("--size", "message_sizes", "Message size in bytes, e.g. 4KiB, 1MiB, 64MiB (repeat for several).")
 @click.option(
     "--impl",
     "impls",
@@ -159,26 +137,14 @@ def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, jso
     "gloo is always added. Default: all but hierarchical and auto (with --simulate-hosts: gloo, ring, "
     "hierarchical, dist-backend, loopback-roofline).",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(1),
-    default=None,
-    help="Interleaved rounds; the median over them is reported (default 3).",
-)
-@click.option(
-    "--simulate-hosts",
-    "simulate_hosts",
-    type=click.IntRange(1),
-    default=None,
-    help="Split the ranks into H simulated hosts (TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive "
-    "ranks each; H must divide --nproc), so HIERARCHICAL runs SHM inside a host and its inter-host "
-    "stage between them. SHM rows are refused then.",
-)
-@_output_options
+@repeats_option("Interleaved rounds; the median over them is reported (default 3).")
+@count_option("--simulate-hosts", "simulate_hosts", "Split the ranks into H simulated hosts "
+              "(TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive ranks each; H must divide --nproc), so "
+              "HIERARCHICAL runs SHM inside a host and its inter-host stage between them. SHM rows are refused "
+              "then.")
+@output_options
 @click.pass_context
-def allreduce(
-    ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, progress, json_path, plot_path
-) -> None:
+def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, progress, **_) -> None:
     """Time all-reduce implementations side by side (launches torchrun with --nproc ranks).
 
     Per size and implementation: median time, algbw = size/time, busbw = algbw * 2(n-1)/n (nccl-tests'
@@ -190,36 +156,37 @@ def allreduce(
       torchstrategies bench allreduce --nproc 2 --impl gloo --impl ring --impl loopback-roofline \\
           --size 4KiB --size 1MiB --size 64MiB --repeats 5 --json ar.json
     """
-    opts = {
-        "nproc": nproc,
-        "message_sizes": message_sizes,
-        "impls": impls,
-        "repeats": repeats,
-        "simulate_hosts": simulate_hosts,
-        "progress": progress,
-    }
-    explicit = _explicit(ctx, list(opts)) | {"nproc"}
-    result, module = run_bench("allreduce", opts, explicit)
-    emit_result(result, module, json_path, plot_path)
+    opts = {"nproc": nproc, "message_sizes": message_sizes, "impls": impls, "repeats": repeats,
+            "simulate_hosts": simulate_hosts, "progress": progress}
+    _run_and_emit(ctx, "allreduce", opts, always={"nproc"})
+
+
+def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
+    """``--tf-python`` and ``--tf-inter-op``: the TF rows of ``bench train`` and ``bench inproc``."""
+    fn = count_option("--tf-inter-op", "tf_inter_op", "TF inter-op threads for the TF rows (default: one per "
+                      "replica; intra-op is the torch thread count).")(fn)
+    return click.option(
+        "--tf-python",
+        "tf_python",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="A Python that has TensorFlow (e.g. a venv's bin/python): adds TF MirroredStrategy(2) and "
+        "OneDeviceStrategy rows beside the compiled rows, and the column 'vs TF Mirrored(2)' from the same "
+        "run. Default: $TORCHSTRATEGIES_TF_PYTHON if set (bench train), else no TF rows.",
+    )(fn)
 
 
 @bench.command()
-@click.option(
-    "--nproc",
-    type=click.IntRange(1),
-    default=2,
-    show_default=True,
-    help="Workers to launch (torchrun is started for you).",
-)
+@nproc_option("Workers to launch (torchrun is started for you).")
 @click.option(
     "--strategy",
     "strategies",
     multiple=True,
     help="Strategy / implementation row to include (repeat). Default: all the module knows.",
 )
-@click.option("--steps", type=click.IntRange(1), default=None, help="Training steps timed per row.")
-@click.option("--batch-size", type=click.IntRange(1), default=None, help="Batch size per rank.")
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed rounds per row.")
+@count_option("--steps", "steps", "Training steps timed per row.")
+@count_option("--batch-size", "batch_size", "Batch size per rank.")
+@repeats_option("Timed rounds per row.")
 @click.option(
     "--parameter-server/--no-parameter-server",
     default=False,
@@ -228,44 +195,56 @@ def allreduce(
 @click.option(
     "--in-process/--no-in-process",
     default=True,
-    help="Add the in-process rows: strategy overhead per replica (MLP 64-64-10) and MirroredStrategy(2) "
-    "eager vs torch.compile (MLP 784-1024-1024-10).",
+    help="Add the in-process rows (bench inproc): strategy overhead per replica (MLP 64-64-10) and "
+    "MirroredStrategy(2) eager vs torch.compile (MLP 784-1024-1024-10).",
 )
-@click.option(
-    "--tf-python",
-    "tf_python",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="A Python that has TensorFlow (e.g. a venv's bin/python): adds TF MirroredStrategy(2) and "
-    "OneDeviceStrategy rows beside the compiled rows, and the column 'vs TF Mirrored(2)' from the same run. "
-    "Default: $TORCHSTRATEGIES_TF_PYTHON if set, else no TF rows.",
-)
-@click.option(
-    "--tf-inter-op",
-    "tf_inter_op",
-    type=click.IntRange(1),
-    default=None,
-    help="TF inter-op threads for the TF rows (default: one per replica; intra-op is the torch thread count).",
-)
-@_output_options
+@_tf_options
+@output_options
 @click.pass_context
 def train(
     ctx: click.Context, nproc, strategies, steps, batch_size, repeats, parameter_server, in_process, tf_python,
-    tf_inter_op, progress, json_path, plot_path,
+    tf_inter_op, progress, **_,
 ) -> None:
     """Training throughput (samples/s): torch DDP vs our strategies (launches torchrun)."""
-    opts = {
-        "nproc": nproc,
-        "strategies": strategies,
-        "steps": steps,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "parameter_server": parameter_server,
-        "in_process": in_process,
-        "tf_python": tf_python,
-        "tf_inter_op": tf_inter_op,
-        "progress": progress,
-    }
-    explicit = _explicit(ctx, list(opts)) | {"nproc"}
-    result, module = run_bench("train", opts, explicit, soft={"in_process"})
-    emit_result(result, module, json_path, plot_path)
+    opts = {"nproc": nproc, "strategies": strategies, "steps": steps, "batch_size": batch_size,
+            "repeats": repeats, "parameter_server": parameter_server, "in_process": in_process,
+            "tf_python": tf_python, "tf_inter_op": tf_inter_op, "progress": progress}
+    _run_and_emit(ctx, "train", opts, always={"nproc"}, soft={"in_process"})
+
+
+@bench.command("train-ps")
+@nproc_option("Processes to launch: the chief, --num-ps parameter servers and the rest workers.", 3, 4)
+@count_option("--num-ps", "num_ps", "Parameter servers (default 1).")
+@count_option("--steps", "steps", "Scheduled steps timed per round.")
+@count_option("--batch-size", "batch_size", "Batch per step (default 64).")
+@repeats_option("Rounds; the median over them is reported (default 3).")
+@output_options
+@click.pass_context
+def train_ps(ctx: click.Context, nproc, num_ps, steps, batch_size, repeats, progress, **_) -> None:
+    """ParameterServerStrategy's training throughput (steps/s, bytes pulled/pushed per step) beside the same
+    steps in one process (launches torchrun: chief, ps, workers)."""
+    opts = {"nproc": nproc, "num_ps": num_ps, "steps": steps, "batch_size": batch_size, "repeats": repeats,
+            "progress": progress}
+    _run_and_emit(ctx, "train-ps", opts, always={"nproc"})
+
+
+@bench.command()
+@count_option("--steps", "steps", "Timed steps (the compile rows: a tenth).")
+@repeats_option("Interleaved rounds; the median over them is reported (default 3).")
+@click.option(
+    "--group",
+    "groups",
+    type=click.Choice(["overhead", "compile"]),
+    multiple=True,
+    help="Only these row groups (repeat). Default: both.",
+)
+@count_option("--threads", "threads", "torch intra-op threads (default: torch's).")
+@_tf_options
+@output_options
+@click.pass_context
+def inproc(ctx: click.Context, steps, repeats, groups, threads, tf_python, tf_inter_op, progress, **_) -> None:
+    """The in-process rows of bench train alone: strategy overhead per replica (MLP 64-64-10) and
+    MirroredStrategy(2) eager vs torch.compile (MLP 784-1024-1024-10), in this process."""
+    opts = {"steps": steps, "repeats": repeats, "groups": groups, "threads": threads, "tf_python": tf_python,
+            "tf_inter_op": tf_inter_op, "progress": progress}
+    _run_and_emit(ctx, "inproc", opts)

@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
-from torchstrategies.cli._common import NotAvailable, SizeType, module_available
+from torchstrategies.cli._common import (
+    NotAvailable,
+    count_option,
+    module_available,
+    nproc_option,
+    repeats_option,
+    sizes_option,
+)
 from torchstrategies.cli.bench_cmds import BENCH_MODULES, run_bench
-from torchstrategies.cli.recommend import detect_roles, series, size_ranges, winners
+from torchstrategies.cli.recommend import Winner, detect_roles, series, size_ranges, winners
+
+if TYPE_CHECKING:
+    from torchstrategies.bench.report import BenchResult
 
 __all__ = ["compare", "advice", "plot_compare", "DEFAULT_PLOT"]
 
@@ -25,7 +36,7 @@ DEFAULT_PLOT = "torchstrategies-compare.png"
 ADVICE_COLUMNS = ["bench", "group", "size", "use", "metric", "runner-up", "margin"]
 
 
-def advice(sources: dict[str, Any]):
+def advice(sources: dict[str, BenchResult]) -> BenchResult:
     """One BenchResult of advice from ``{"kernels": BenchResult, "allreduce": BenchResult}`` (either may
     be missing); notes hold the merged size ranges per winner."""
     from torchstrategies.bench.report import BenchResult
@@ -47,7 +58,7 @@ def advice(sources: dict[str, Any]):
                     "margin": "" if w.margin is None else f"{w.margin:.2f}x",
                 }
             )
-        groups: dict[Any, list] = {}
+        groups: dict[object, list[Winner]] = {}
         for w in ws:
             groups.setdefault(w.group, []).append(w)
         for g, gws in groups.items():
@@ -60,7 +71,7 @@ def advice(sources: dict[str, Any]):
     return out
 
 
-def plot_compare(sources: dict[str, Any], path: str) -> None:
+def plot_compare(sources: dict[str, BenchResult], path: str) -> None:
     """Draws each source's metric against size (log-log), one panel per benchmark, into ``path``."""
     import matplotlib
 
@@ -75,7 +86,7 @@ def plot_compare(sources: dict[str, Any], path: str) -> None:
         data = series(result, roles)
         # One group per panel: the largest (e.g. the largest N), where the kernels differ most.
         group = (
-            max(data, key=lambda g: (g is not None, str(g).isdigit() and int(g), str(g))) if data else None
+            max(data, key=lambda g: (g is not None, str(g).isdigit() and int(str(g)), str(g))) if data else None
         )
         for impl, pts in sorted((data.get(group) or {}).items()):
             xs, ys = zip(*pts, strict=True)
@@ -95,7 +106,7 @@ def plot_compare(sources: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _load_json(path: str):
+def _load_json(path: str) -> BenchResult:
     from torchstrategies.bench.report import BenchResult
 
     try:
@@ -104,11 +115,11 @@ def _load_json(path: str):
         raise click.BadParameter(str(exc)) from None
 
 
-def _at_one_thread_count(result: Any) -> Any:
+def _at_one_thread_count(result: BenchResult) -> BenchResult:
     """A kernels result measured at several thread counts (a ``threads`` column) keeps only the rows at
     its default count (``meta["default_threads"]``, else the largest), so each (N, size) race compares
     methods at one thread count; other results are returned as they are."""
-    counts = {row.get("threads") for row in result.rows} if "threads" in result.columns else set()
+    counts: set[int] = {row["threads"] for row in result.rows} if "threads" in result.columns else set()
     if len(counts) < 2:
         return result
     keep = (result.meta or {}).get("default_threads")
@@ -118,28 +129,53 @@ def _at_one_thread_count(result: Any) -> Any:
     return result
 
 
+def _sources(
+    explicit: Callable[..., set[str]],
+    nproc: int,
+    n: tuple[int, ...],
+    kernel_sizes: tuple[int, ...],
+    message_sizes: tuple[int, ...],
+    repeats: int | None,
+    kernels_from: str | None,
+    allreduce_from: str | None,
+    progress: bool,
+) -> tuple[dict[str, BenchResult], list[str]]:
+    """The two results to advise from (read from ``--*-from`` files or run now) and the modules skipped."""
+    sources: dict[str, BenchResult] = {}
+    skipped: list[str] = []
+    if kernels_from:
+        sources["kernels"] = _at_one_thread_count(_load_json(kernels_from))
+    elif module_available(BENCH_MODULES["kernels"]):
+        import torch
+
+        # The race is at the thread count this process runs with (bench kernels alone also adds 1 thread).
+        opts: dict[str, object] = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats,
+                                   "threads": (torch.get_num_threads(),), "progress": progress}
+        result, _ = run_bench("kernels", opts, explicit("n", "kernel_sizes", "repeats"), soft={"threads"})
+        sources["kernels"] = _at_one_thread_count(result)
+    else:
+        skipped.append(BENCH_MODULES["kernels"])
+    if allreduce_from:
+        sources["allreduce"] = _load_json(allreduce_from)
+    elif module_available(BENCH_MODULES["allreduce"]):
+        opts = {"nproc": nproc, "message_sizes": message_sizes, "repeats": repeats, "progress": progress}
+        # --repeats goes to the all-reduce benchmark only if its run() takes it (it may not).
+        sources["allreduce"], _ = run_bench(
+            "allreduce", opts, explicit("message_sizes") | {"nproc"}, soft=explicit("repeats")
+        )
+    else:
+        skipped.append(BENCH_MODULES["allreduce"])
+    if not sources:
+        raise NotAvailable(" and ".join(skipped))
+    return sources, skipped
+
+
 @click.command()
-@click.option(
-    "--nproc", type=click.IntRange(2), default=2, show_default=True, help="Ranks for the all-reduce run."
-)
-@click.option(
-    "--n", "n", type=click.IntRange(1), multiple=True, help="Tensors summed by the kernels (repeat)."
-)
-@click.option(
-    "--kernel-size",
-    "kernel_sizes",
-    type=SizeType(),
-    multiple=True,
-    help="Elements per tensor for the kernels (repeat), e.g. 64K, 16M.",
-)
-@click.option(
-    "--message-size",
-    "message_sizes",
-    type=SizeType(),
-    multiple=True,
-    help="All-reduce message size in bytes (repeat), e.g. 4KiB, 64MiB.",
-)
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repetitions per point.")
+@nproc_option("Ranks for the all-reduce run.", minimum=2)
+@count_option("--n", "n", "Tensors summed by the kernels (repeat).", multiple=True)
+@sizes_option("--kernel-size", "kernel_sizes", "Elements per tensor for the kernels (repeat), e.g. 64K, 16M.")
+@sizes_option("--message-size", "message_sizes", "All-reduce message size in bytes (repeat), e.g. 4KiB, 64MiB.")
+@repeats_option()
 @click.option(
     "--kernels-from",
     type=click.Path(exists=True, dir_okay=False),
@@ -184,34 +220,8 @@ def compare(
     def explicit(*names: str) -> set[str]:
         return {x for x in names if ctx.get_parameter_source(x) is not ParameterSource.DEFAULT}
 
-    sources: dict[str, Any] = {}
-    skipped: list[str] = []
-    # Kernels.
-    if kernels_from:
-        sources["kernels"] = _at_one_thread_count(_load_json(kernels_from))
-    elif module_available(BENCH_MODULES["kernels"]):
-        import torch
-
-        # The race is at the thread count this process runs with (bench kernels alone also adds 1 thread).
-        opts = {"n": n, "kernel_sizes": kernel_sizes, "repeats": repeats, "threads": (torch.get_num_threads(),),
-                "progress": progress}
-        result, _ = run_bench("kernels", opts, explicit("n", "kernel_sizes", "repeats"), soft={"threads"})
-        sources["kernels"] = _at_one_thread_count(result)
-    else:
-        skipped.append(BENCH_MODULES["kernels"])
-    # All-reduce.
-    if allreduce_from:
-        sources["allreduce"] = _load_json(allreduce_from)
-    elif module_available(BENCH_MODULES["allreduce"]):
-        opts = {"nproc": nproc, "message_sizes": message_sizes, "repeats": repeats, "progress": progress}
-        # --repeats goes to the all-reduce benchmark only if its run() takes it (it may not).
-        sources["allreduce"], _ = run_bench(
-            "allreduce", opts, explicit("message_sizes") | {"nproc"}, soft=explicit("repeats")
-        )
-    else:
-        skipped.append(BENCH_MODULES["allreduce"])
-    if not sources:
-        raise NotAvailable(" and ".join(skipped))
+    sources, skipped = _sources(explicit, nproc, n, kernel_sizes, message_sizes, repeats, kernels_from,
+                                allreduce_from, progress)
     for result in sources.values():
         result.print()
     try:

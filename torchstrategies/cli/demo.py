@@ -21,7 +21,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from torchstrategies.bench.report import BenchResult
 
 __all__ = ["EXAMPLES", "Example", "Outcome", "parse_result_line", "run_example", "run", "examples_dir"]
 
@@ -107,7 +112,7 @@ def _env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    from torchstrategies.strategies.parameter_server.auth import with_job_secret
+    from torchstrategies.parameter_server.rpc.auth import with_job_secret
 
     return with_job_secret(env)       # the ParameterServerStrategy example needs a job secret
 
@@ -209,7 +214,7 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def summary(outcomes: list[Outcome]):
+def summary(outcomes: list[Outcome]) -> BenchResult:
     """The summary BenchResult: strategy, accuracy, samples/s, wall time, status."""
     from torchstrategies.bench.report import BenchResult
 
@@ -236,7 +241,7 @@ def run(fast: bool = False, out_dir: str = "demo-results", timeout: float | None
     from rich.console import Console
 
     from torchstrategies.cli._common import module_available
-    from torchstrategies.cli.bench_cmds import BENCH_MODULES, run_bench
+    from torchstrategies.cli.bench_cmds import BENCH_MODULES
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     timeout = timeout or (180.0 if fast else 900.0)
@@ -260,18 +265,20 @@ def run(fast: bool = False, out_dir: str = "demo-results", timeout: float | None
     if not module_available(BENCH_MODULES["kernels"]):
         console.print(f"kernel comparison: not available in this build: {BENCH_MODULES['kernels']}")
     else:
-        failed += _kernels(console, fast, out_dir, run_bench)
+        failed += _kernels(console, fast, out_dir)
     console.print(f"results in {os.path.abspath(out_dir)}")
     return 1 if failed else 0
 
 
-def _kernels(console: Any, fast: bool, out_dir: str, run_bench: Any) -> int:
+def _kernels(console: Console, fast: bool, out_dir: str) -> int:
+    from torchstrategies.cli._common import emit_result
+    from torchstrategies.cli.bench_cmds import run_bench
     from torchstrategies.cli.compare import advice
 
     # Fast: tiny sizes for the tests. Full: the issue's sizes up to 16M elements, N up to 8, 5 rounds (about
     # a minute on 2 cores; `torchstrategies bench kernels` runs the complete grid).
     if fast:
-        opts: dict[str, Any] = {"n": (2, 8), "kernel_sizes": (1 << 16, 1 << 20), "repeats": 3}
+        opts: dict[str, object] = {"n": (2, 8), "kernel_sizes": (1 << 16, 1 << 20), "repeats": 3}
     else:
         opts = {"n": (2, 4, 8), "kernel_sizes": (1 << 16, 1 << 20, 1 << 24), "repeats": 5}
     explicit = set(opts)
@@ -281,17 +288,13 @@ def _kernels(console: Any, fast: bool, out_dir: str, run_bench: Any) -> int:
     except Exception as exc:  # noqa: BLE001 - the demo reports and goes on
         console.print(f"kernel benchmark failed: {type(exc).__name__}: {exc}")
         return 1
-    result.print(console)
-    result.write_json(os.path.join(out_dir, "kernels.json"))
+    has_plot = getattr(module, "plot", None) is not None
+    png = os.path.abspath(os.path.join(out_dir, "kernels.png")) if has_plot else None
+    emit_result(result, module, os.path.join(out_dir, "kernels.json"), png, console=console)
+    if not has_plot:
+        console.print(f"plot: not available in this build: {module.__name__}.plot")
     try:
         advice({"kernels": result}).print(console)
     except ValueError as exc:
         console.print(f"(no advice: {exc})")
-    plot = getattr(module, "plot", None)
-    if plot is None:
-        console.print(f"plot: not available in this build: {module.__name__}.plot")
-        return 0
-    path = os.path.abspath(os.path.join(out_dir, "kernels.png"))
-    plot(result, path)
-    console.print(f"plot: {path}")
     return 0

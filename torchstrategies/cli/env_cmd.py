@@ -10,7 +10,7 @@ import click
 __all__ = ["env", "render"]
 
 
-def _yes(v: Any) -> str:
+def _yes(v: object) -> str:
     if v is True:
         return "yes"
     if v is False:

@@ -29,7 +29,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from torchstrategies.cli._common import SIZE_UNITS
+
+if TYPE_CHECKING:
+    from torchstrategies.bench.report import BenchResult
 
 __all__ = ["Roles", "Winner", "detect_roles", "winners", "size_ranges", "parse_number", "series"]
 
@@ -53,19 +58,6 @@ _BASELINE_RE = re.compile(
     r"roofline|^\s*(copy|memcpy)\b", re.IGNORECASE
 )  # "copy (roofline)", not "shm-zero-copy"
 _UNIT_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-}
 _NUM_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Zµ]*)\s*[x×]?\s*$")
 
 
@@ -84,7 +76,7 @@ class Roles:
 class Winner:
     """The best implementation at one (group, size) point."""
 
-    group: Any
+    group: object
     size: float | None
     size_label: str
     best: str
@@ -101,7 +93,7 @@ class Winner:
         return r if r >= 1 else 1 / r
 
 
-def parse_number(value: Any, *, kind: str = "plain") -> float | None:
+def parse_number(value: object, *, kind: str = "plain") -> float | None:
     """A float from a cell: numbers as they are; ``"1.5 ms"`` in seconds (kind="time"); ``"4 KiB"`` in
     units (kind="size"); None if it is not a number."""
     if isinstance(value, bool) or value is None:
@@ -118,7 +110,7 @@ def parse_number(value: Any, *, kind: str = "plain") -> float | None:
         factor = _UNIT_SECONDS.get(unit.lower() if unit != "µs" else unit)
         return None if factor is None else x * factor
     if kind == "size":
-        factor = _SIZE_UNITS.get(unit.lower())
+        factor = SIZE_UNITS.get(unit.lower())
         return None if factor is None else x * factor
     return x if not unit else None
 
@@ -135,7 +127,7 @@ def _find(columns: list[str], exact: tuple[str, ...], words: tuple[str, ...], ta
     return None
 
 
-def detect_roles(result: Any) -> Roles:
+def detect_roles(result: BenchResult) -> Roles:
     """The roles of ``result``'s columns: ``meta["roles"]`` if given, else guessed from the column names.
 
     Raises:
@@ -172,15 +164,15 @@ def detect_roles(result: Any) -> Roles:
     return Roles(impl=impl, size=size, metric=metric, minimize=minimize, group=group)  # type: ignore[arg-type]
 
 
-def _is_baseline(name: str, result: Any) -> bool:
+def _is_baseline(name: str, result: BenchResult) -> bool:
     baselines = set((result.meta or {}).get("baselines", []))
     return name in baselines or bool(_BASELINE_RE.search(name))
 
 
-def series(result: Any, roles: Roles | None = None) -> dict[Any, dict[str, list[tuple[float, float]]]]:
+def series(result: BenchResult, roles: Roles | None = None) -> dict[object, dict[str, list[tuple[float, float]]]]:
     """``{group: {impl: [(size, value), ...]}}`` sorted by size, for plots (unparsable rows are skipped)."""
     roles = roles or detect_roles(result)
-    out: dict[Any, dict[str, list[tuple[float, float]]]] = {}
+    out: dict[object, dict[str, list[tuple[float, float]]]] = {}
     for row in result.rows:
         size = parse_number(row.get(roles.size), kind="size")
         value = parse_number(row.get(roles.metric), kind="time" if roles.minimize else "plain")
@@ -194,11 +186,11 @@ def series(result: Any, roles: Roles | None = None) -> dict[Any, dict[str, list[
     return out
 
 
-def winners(result: Any, roles: Roles | None = None) -> list[Winner]:
+def winners(result: BenchResult, roles: Roles | None = None) -> list[Winner]:
     """The fastest candidate at every (group, size) point of ``result``, sorted by group then size."""
     roles = roles or detect_roles(result)
-    points: dict[tuple[Any, str], list[tuple[float, str]]] = {}
-    sizes: dict[tuple[Any, str], float | None] = {}
+    points: dict[tuple[object, str], list[tuple[float, str]]] = {}
+    sizes: dict[tuple[object, str], float | None] = {}
     for row in result.rows:
         impl = str(row.get(roles.impl))
         if _is_baseline(impl, result):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy
+    from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, _ScopeContext
 
 __all__ = [
     "get_strategy",
@@ -46,7 +46,7 @@ class _ThreadState(threading.local):
 
 _state = _ThreadState()
 _global_scope_lock = threading.Lock()
-_global_scope: Any = None  # the scope entered by experimental_set_strategy
+_global_scope: _ScopeContext | None = None  # the scope entered by experimental_set_strategy
 _global_scope_thread: int | None = None
 
 
@@ -82,15 +82,6 @@ def pop_mode(mode: _Mode) -> None:
             "different order than it was entered)"
         )
     _state.stack.pop()
-
-
-def mode_stack() -> list[_Mode]:
-    """This thread's stack of modes itself (the scheduler's hot path pushes and pops on it directly)."""
-    return _state.stack
-
-
-def stack_depth() -> int:
-    return len(_state.stack)
 
 
 def get_strategy() -> Strategy:

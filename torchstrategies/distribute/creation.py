@@ -22,20 +22,25 @@ strategy exits, or at the next ``strategy.run``, whichever comes first.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.nn.modules import module as _module_mod
 
 from torchstrategies.distribute import context
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.distribute.distribute_lib import StrategyExtended
+
 __all__ = ["install", "current_extended"]
 
 _log = logging.getLogger("torchstrategies.distribute")
 _installed = False
+T = TypeVar("T", bound=torch.Tensor)
 
 
-def current_extended() -> Any:
+def current_extended() -> StrategyExtended | None:
     """The StrategyExtended whose scope is current in cross-replica context, else None."""
     mode = context.current_mode()
     if mode.is_default or mode.cross_replica is None:
@@ -43,27 +48,30 @@ def current_extended() -> Any:
     return mode.strategy.extended
 
 
-def _parameter_hook(module: torch.nn.Module, name: str, param: Any) -> Any:
+def _parameter_hook(
+    module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+) -> torch.nn.Parameter | None:
+    return _registered(module, param, lambda ext, p: ext._create_parameter(module, name, p))
+
+
+def _buffer_hook(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    return _registered(module, buffer, lambda ext, b: ext._create_buffer(module, name, b))
+
+
+def _registered(
+    module: torch.nn.Module, tensor: T | None, create: Callable[[StrategyExtended, T], T | None]
+) -> T | None:
+    """A parameter or buffer registered on ``module`` in the scope: tracked, and ``create`` may replace it."""
     ext = current_extended()
-    if ext is None or param is None:
+    if ext is None or tensor is None:
         return None
     ext._track_module(module)
-    new = ext._create_parameter(module, name, param)
-    ext._register_created_variable(new if new is not None else param)
+    new = create(ext, tensor)
+    ext._register_created_variable(new if new is not None else tensor)
     return new
 
 
-def _buffer_hook(module: torch.nn.Module, name: str, buffer: Any) -> Any:
-    ext = current_extended()
-    if ext is None or buffer is None:
-        return None
-    ext._track_module(module)
-    new = ext._create_buffer(module, name, buffer)
-    ext._register_created_variable(new if new is not None else buffer)
-    return new
-
-
-def _module_hook(module: torch.nn.Module, name: str, submodule: Any) -> Any:
+def _module_hook(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
     ext = current_extended()
     if ext is None or submodule is None:
         return None
@@ -78,7 +86,7 @@ def _wrap_optimizer_init() -> None:
     if getattr(orig, "_torchstrategies_wrapped", False):
         return
 
-    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:  # torch's own signature
         orig(self, *args, **kwargs)
         ext = current_extended()
         if ext is not None and not getattr(self, "_torchstrategies_seen", False):
@@ -112,8 +120,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    _module_mod.register_module_parameter_registration_hook(_parameter_hook)
-    _module_mod.register_module_buffer_registration_hook(_buffer_hook)
+    # torch annotates these hooks as returning None, but uses a returned tensor as the replacement.
+    _module_mod.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]
+    _module_mod.register_module_buffer_registration_hook(_buffer_hook)  # type: ignore[arg-type]
     _module_mod.register_module_module_registration_hook(_module_hook)
     _wrap_optimizer_init()
     _wrap_module_setstate()

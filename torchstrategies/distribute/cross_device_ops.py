@@ -16,15 +16,19 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from torchstrategies.aggregation import AggregationMethod, _resolve, aggregate
-from torchstrategies.distribute import device_util
-from torchstrategies.distribute.values import DistributedValues, Mirrored, PerReplica
+from torchstrategies.distribute import device_util, values
+from torchstrategies.distribute.device_util import DeviceLike
+from torchstrategies.distribute.values import Destinations, DistributedValues, Mirrored, PerReplica, Reducible
 from torchstrategies.ops import FLOAT_DTYPES
 from torchstrategies.reduce_op import ReduceOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.collectives.options import CommunicationOptions
 
 __all__ = [
     "DEFAULT_ACCUMULATION",
@@ -43,8 +47,11 @@ _log = logging.getLogger("torchstrategies.distribute")
 # Large tensors dominate a step, so it is the default when no accumulation_fn is given.
 DEFAULT_ACCUMULATION = AggregationMethod.EXPERIMENTAL_ACCUMULATE_N
 
+# What ``batch_reduce_implementation`` gets: each value with the devices its result goes to.
+Pairs: TypeAlias = "list[tuple[DistributedValues[object], tuple[torch.device, ...]]]"
 
-def _as_per_replica(value: Any) -> DistributedValues:
+
+def _as_per_replica(value: Reducible) -> DistributedValues[object]:
     if isinstance(value, DistributedValues):
         return value
     if isinstance(value, (int, float, bool)) or isinstance(value, torch.Tensor):
@@ -52,7 +59,7 @@ def _as_per_replica(value: Any) -> DistributedValues:
     raise TypeError(f"Expected argument of type DistributedValues or torch.Tensor, but got {value!r}")
 
 
-def destination_devices(destinations: Any) -> tuple[torch.device, ...]:
+def destination_devices(destinations: Destinations) -> tuple[torch.device, ...]:
     """Devices named by ``destinations``: a device, a tensor, a DistributedValues, or a list of devices.
 
     Device names may be torch's (``"cuda:1"``) or TF's (``"/gpu:1"``,
@@ -81,7 +88,7 @@ def destination_devices(destinations: Any) -> tuple[torch.device, ...]:
     )
 
 
-def _place(t: torch.Tensor, devices: tuple[torch.device, ...]) -> Any:
+def _place(t: torch.Tensor, devices: tuple[torch.device, ...]) -> torch.Tensor | Mirrored[torch.Tensor]:
     """``t`` on one device, or a Mirrored of distinct copies (no two replicas share a tensor object)."""
     if len(devices) == 1:
         return t if t.device == devices[0] else t.to(devices[0])
@@ -96,7 +103,11 @@ class CrossDeviceOps:
     """Base class: how the components of a PerReplica value are reduced and broadcast."""
 
     def reduce(
-        self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any, options: Any = None
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Reducible,
+        destinations: Destinations,
+        options: CommunicationOptions | None = None,
     ) -> Any:
         """Reduces ``per_replica_value`` to ``destinations``: a tensor for one device, else a Mirrored."""
         op = ReduceOp.from_any(reduce_op)
@@ -107,26 +118,23 @@ class CrossDeviceOps:
     def batch_reduce(
         self,
         reduce_op: ReduceOp | str,
-        value_destination_pairs: Sequence[tuple[Any, Any]],
-        options: Any = None,
+        value_destination_pairs: Sequence[tuple[Reducible, Destinations]],
+        options: CommunicationOptions | None = None,
     ) -> list[Any]:
         """``reduce`` for a list of (value, destinations) pairs."""
         op = ReduceOp.from_any(reduce_op)
-        pairs = []
-        for p in value_destination_pairs:
-            if not (isinstance(p, (tuple, list)) and len(p) == 2):
-                raise ValueError(
-                    f"value_destination_pairs must be a list of (value, destinations) pairs, got {p!r}"
-                )
-            pairs.append((_as_per_replica(p[0]), destination_devices(p[1])))
+        pairs = [
+            (_as_per_replica(v), destination_devices(d))
+            for v, d in values.checked_pairs("CrossDeviceOps.batch_reduce", value_destination_pairs)
+        ]
         return self.batch_reduce_implementation(op, pairs, options)
 
-    def broadcast(self, tensor: torch.Tensor, destinations: Any) -> Any:
+    def broadcast(self, tensor: torch.Tensor, destinations: Destinations) -> torch.Tensor | Mirrored[torch.Tensor]:
         """Copies ``tensor`` to every destination device."""
         return _place(torch.as_tensor(tensor), destination_devices(destinations))
 
     def batch_reduce_implementation(
-        self, op: ReduceOp, pairs: list[tuple[DistributedValues, tuple[torch.device, ...]]], options: Any
+        self, op: ReduceOp, pairs: Pairs, options: CommunicationOptions | None
     ) -> list[Any]:
         raise NotImplementedError
 
@@ -150,7 +158,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(
         self,
-        reduce_to_device: str | torch.device | None = None,
+        reduce_to_device: DeviceLike | None = None,
         accumulation_fn: AggregationMethod
         | str
         | int
@@ -174,7 +182,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             )
 
     @property
-    def accumulation_fn(self) -> Any:
+    def accumulation_fn(self) -> AggregationMethod | Callable[[list[torch.Tensor]], torch.Tensor] | None:
         return self._fn if self._fn is not None else self._method
 
     def __repr__(self) -> str:
@@ -206,7 +214,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         return out / (1.0 / scale) if scale is not None else out
 
     def batch_reduce_implementation(
-        self, op: ReduceOp, pairs: list[tuple[DistributedValues, tuple[torch.device, ...]]], options: Any
+        self, op: ReduceOp, pairs: Pairs, options: CommunicationOptions | None
     ) -> list[Any]:
         results = []
         for value, devices in pairs:
@@ -249,7 +257,7 @@ class _AllReduceOnCuda(CrossDeviceOps):
         return f"{type(self).__name__}(num_packs={self.num_packs})"
 
     def batch_reduce_implementation(
-        self, op: ReduceOp, pairs: list[tuple[DistributedValues, tuple[torch.device, ...]]], options: Any
+        self, op: ReduceOp, pairs: Pairs, options: CommunicationOptions | None
     ) -> list[Any]:
         all_cuda = all(torch.as_tensor(c).device.type == "cuda" for v, _ in pairs for c in v.values) and all(
             d.type == "cuda" for _, ds in pairs for d in ds
@@ -266,7 +274,9 @@ class _AllReduceOnCuda(CrossDeviceOps):
             return self._fallback.batch_reduce_implementation(op, pairs, options)
         return [self._cuda_reduce(op, v, ds) for v, ds in pairs]
 
-    def _cuda_reduce(self, op: ReduceOp, value: DistributedValues, devices: tuple[torch.device, ...]) -> Any:
+    def _cuda_reduce(
+        self, op: ReduceOp, value: DistributedValues[object], devices: tuple[torch.device, ...]
+    ) -> torch.Tensor | Mirrored[torch.Tensor]:
         import torch.cuda.comm as comm
 
         comps = [torch.as_tensor(c) for c in value.values]
@@ -307,7 +317,7 @@ class HierarchicalCopyAllReduce(_AllReduceOnCuda):
     _name = "HierarchicalCopyAllReduce"
 
 
-def select_cross_device_ops(devices: Sequence[torch.device]) -> CrossDeviceOps:
+def select_cross_device_ops(devices: Sequence[DeviceLike]) -> CrossDeviceOps:
     """The default: NcclAllReduce when every device is a CUDA device, else ReductionToOneDevice."""
     if devices and all(device_util.resolve(d).type == "cuda" for d in devices):
         return NcclAllReduce()

@@ -16,24 +16,27 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 import torch
 
-__all__ = ["canonicalize", "resolve"]
+__all__ = ["DeviceLike", "canonicalize", "resolve"]
+
+DeviceLike: TypeAlias = "str | torch.device"
+"""A device name (torch's or TF's) or a ``torch.device``."""
 
 _KINDS = ("cpu", "cuda", "mps", "xpu", "meta")
 _THIS_TASK = {"job": "localhost", "replica": "0", "task": "0"}
 
 
-def _invalid(name: Any, why: str) -> ValueError:
+def _invalid(name: object, why: str) -> ValueError:
     return ValueError(
         f"Invalid device {name!r}: {why}; expected a device such as 'cpu:0', 'cuda:1', '/gpu:1' or "
         "'/job:localhost/replica:0/task:0/device:CPU:0'"
     )
 
 
-def canonicalize(name: Any) -> tuple[str, torch.device]:
+def canonicalize(name: DeviceLike) -> tuple[str, torch.device]:
     """Normalizes a TF- or torch-style device name.
 
     Args:
@@ -81,7 +84,7 @@ def canonicalize(name: Any) -> tuple[str, torch.device]:
     return f"{kind}:{idx}", placement
 
 
-def resolve(device: Any) -> torch.device:
+def resolve(device: DeviceLike) -> torch.device:
     """The ``torch.device`` for a device name (a ``torch.device`` is returned as it is).
 
     Raises:

@@ -91,27 +91,44 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 from torch.utils import _pytree as pytree
 
 from torchstrategies.distribute import context, creation, device_util
 from torchstrategies.distribute.context import _Mode, current_mode, has_strategy, pop_mode, push_mode
+from torchstrategies.distribute.device_util import DeviceLike
+from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.values import (
+    Destinations,
     DistributedValues,
     Mirrored,
     PerReplica,
+    Reducible,
+    checked_pairs,
     local_results,
     regroup,
     select_replica,
 )
 from torchstrategies.reduce_op import ReduceOp
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.cluster_resolver import ClusterResolver
+    from torchstrategies.collectives.options import CommunicationOptions
+    from torchstrategies.distribute.input_lib import (
+        DistributedDataset,
+        DistributedDatasetsFromFunction,
+        InputContext,
+        InputOptions,
+    )
+    from torchstrategies.distribute.variables import Variable
+
 __all__ = ["Strategy", "StrategyExtended", "ReplicaContext", "ValueContext", "require_cross_replica"]
 
 _NESTED = (DistributedValues, list, tuple, dict)  # run arguments that may hold per-replica values
+T = TypeVar("T")
 
 
 def _wrong_strategy_scope(strategy: Strategy, mode: _Mode) -> None:
@@ -136,7 +153,7 @@ def require_cross_replica(extended: StrategyExtended, error_message: str | None 
     )
 
 
-def _to_device(x: Any) -> torch.device:
+def _to_device(x: DeviceLike | torch.Tensor) -> torch.device:
     if isinstance(x, torch.Tensor):
         return x.device
     return device_util.resolve(x)
@@ -186,7 +203,7 @@ class ReplicaContext:
         push_mode(self._mode)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         assert self._mode is not None
         pop_mode(self._mode)
         self._mode = None
@@ -216,7 +233,10 @@ class ReplicaContext:
             )
 
     def merge_call(
-        self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
+        self,
+        merge_fn: Callable[..., object],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
     ) -> Any:
         """Calls ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context, for all replicas.
 
@@ -233,15 +253,19 @@ class ReplicaContext:
             raise TypeError(f"merge_call expects a callable merge_fn, got {merge_fn!r}")
         return self._strategy.extended._merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+    def all_reduce(
+        self, reduce_op: ReduceOp | str, value: T, options: CommunicationOptions | None = None
+    ) -> T:
         """All-reduces ``value`` (a tensor or a structure of tensors) across replicas; not differentiable."""
         op = ReduceOp.from_any(reduce_op)
         leaves, spec = pytree.tree_flatten(value)
         if not leaves:
             return value
 
-        def merge_fn(strategy: Strategy, ops: Any, *vals: Any) -> Any:
-            per_replica = local_results(ops)
+        def merge_fn(
+            strategy: Strategy, ops: ReduceOp | PerReplica[ReduceOp], *vals: PerReplica[object] | torch.Tensor
+        ) -> tuple[object, ...]:
+            per_replica = ops.values if isinstance(ops, PerReplica) else (ops,)
             if any(o is not per_replica[0] for o in per_replica):
                 names = ", ".join(f"replica {i}: {o.name}" for i, o in enumerate(per_replica))
                 raise ValueError(
@@ -254,11 +278,11 @@ class ReplicaContext:
         reduced = self.merge_call(merge_fn, args=(op, *leaves))
         return pytree.tree_unflatten(list(reduced), spec)
 
-    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+    def all_gather(self, value: T, axis: int, options: CommunicationOptions | None = None) -> T:
         """Concatenates each replica's ``value`` along ``axis``; every replica gets the whole result."""
         leaves, spec = pytree.tree_flatten(value)
 
-        def merge_fn(strategy: Strategy, *vals: Any) -> Any:
+        def merge_fn(strategy: Strategy, *vals: PerReplica[object] | torch.Tensor) -> tuple[object, ...]:
             return tuple(strategy.extended._gather_to(v, v, axis, options) for v in vals)
 
         gathered = self.merge_call(merge_fn, args=tuple(leaves))
@@ -293,7 +317,7 @@ class _ScopeContext:
             ext._scope_depth += 1
         return s
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._reentered:
             return
         assert self._mode is not None
@@ -333,7 +357,7 @@ class Strategy:
         return self._extended._num_replicas_in_sync
 
     @property
-    def cluster_resolver(self) -> Any:
+    def cluster_resolver(self) -> ClusterResolver | None:
         """The cluster resolver of a multi-worker strategy, else None."""
         return getattr(self._extended, "_cluster_resolver", None)
 
@@ -347,12 +371,14 @@ class Strategy:
 
     def run(
         self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict | None = None,
-        options: Any = None,
+        fn: Callable[..., object],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+        options: object = None,
     ) -> Any:
         """Runs ``fn`` once per replica in replica context; PerReplica arguments are unwrapped per replica.
+
+        ``options`` (TF's ``RunOptions``) is accepted and ignored.
 
         Returns:
             The replicas' results, regrouped: PerReplica leaves (a value that is the same object on every
@@ -367,7 +393,7 @@ class Strategy:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     # -- communication ----------------------------------------------------------------------------
-    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+    def reduce(self, reduce_op: ReduceOp | str, value: object, axis: int | None = None) -> Any:
         """Reduces ``value`` across replicas (and along ``axis`` within each replica when given).
 
         MEAN with an axis divides by the true global number of elements along ``axis``, so uneven or
@@ -383,7 +409,7 @@ class Strategy:
         out = [self._reduce_one(op, v, axis) for v in leaves]
         return pytree.tree_unflatten(out, spec)
 
-    def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+    def _reduce_one(self, op: ReduceOp, value: Reducible, axis: int | None) -> Any:
         ext = self._extended
         if axis is None:
             return ext._reduce(op, value)
@@ -401,7 +427,7 @@ class Strategy:
                     f"{tuple(c.shape)}); give an axis in [{-rank}, {rank - 1}] or axis=None"
                 )
 
-        def rewrap(xs: list[torch.Tensor]) -> Any:
+        def rewrap(xs: list[torch.Tensor]) -> PerReplica[torch.Tensor] | torch.Tensor:
             return PerReplica(xs) if isinstance(value, DistributedValues) else xs[0]
 
         if op == ReduceOp.SUM:
@@ -414,27 +440,33 @@ class Strategy:
         denom = ext._reduce(ReduceOp.SUM, rewrap(counts))
         return numer / denom.to(numer.device)
 
-    def gather(self, value: Any, axis: int) -> Any:
+    def gather(self, value: Reducible, axis: int) -> Any:
         """Concatenates the replicas' components of ``value`` along ``axis`` (cross-replica context)."""
         require_cross_replica(self._extended)
         return self._extended._gather_to(value, None, axis, None)
 
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+    @overload
+    def experimental_local_results(self, value: DistributedValues[T]) -> tuple[T, ...]: ...
+    @overload
+    def experimental_local_results(self, value: object) -> tuple[Any, ...]: ...
+    def experimental_local_results(self, value: object) -> tuple[Any, ...]:
         """The components of ``value`` for this process's replicas, as a tuple."""
         return self._extended._local_results(value)
 
     # -- input ------------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Any:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[object], options: InputOptions | None = None
+    ) -> DistributedDataset:
         """Splits each global batch of ``dataset`` along dim 0 across the replicas (TF's rules)."""
         return self._extended._experimental_distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
-    ) -> Any:
+        self, dataset_fn: Callable[[InputContext], Iterable[object]], options: InputOptions | None = None
+    ) -> DistributedDatasetsFromFunction:
         """Calls ``dataset_fn(InputContext)`` per input pipeline; each yields per-replica batches."""
         return self._extended._distribute_datasets_from_function(dataset_fn, options)
 
-    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], object]) -> Any:
         """A PerReplica of ``value_fn(ValueContext)`` for each local replica."""
         if not callable(value_fn):
             raise TypeError(f"value_fn must be callable, got {value_fn!r}")
@@ -445,14 +477,16 @@ class StrategyExtended:
     """Extended API and subclass hooks of a strategy (``tf.distribute.StrategyExtended``)."""
 
     _is_default = False
+    # The context modes of an in-process run's replicas, made once per strategy (``mirrored_run._modes``).
+    _replica_modes: list[_Mode]
 
     def __init__(self, container_strategy: Strategy | None = None):
-        self._container_ref: Any = None
+        self._container_ref: weakref.ref[Strategy] | None = None
         self._lock = threading.RLock()
         self._scope_depth = 0
         self._tracked_modules: list[weakref.ref[torch.nn.Module]] = []
         self._tracked_ids: set[int] = set()
-        self._created_vars: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._created_vars: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
         self._num_replicas_in_sync = 1
         self._replica_id_offset = 0
         self._worker_devices: tuple[torch.device, ...] = (torch.device("cpu"),)
@@ -493,7 +527,13 @@ class StrategyExtended:
         return ReplicaContext(self._container_strategy(), self._replica_id_offset, 0)
 
     # -- public extended API ----------------------------------------------------------------------
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any, options: Any = None) -> Any:
+    def reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Reducible,
+        destinations: Destinations | None,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
         """Reduces ``value`` to ``destinations`` (a device, a tensor, or a DistributedValues' devices).
 
         Returns:
@@ -506,42 +546,38 @@ class StrategyExtended:
     def batch_reduce_to(
         self,
         reduce_op: ReduceOp | str,
-        value_destination_pairs: Sequence[tuple[Any, Any]],
-        options: Any = None,
+        value_destination_pairs: Sequence[tuple[Reducible, Destinations]],
+        options: CommunicationOptions | None = None,
     ) -> list[Any]:
         """``reduce_to`` for many (value, destinations) pairs at once (packed where the strategy can)."""
         require_cross_replica(self)
         op = ReduceOp.from_any(reduce_op)
-        pairs = list(value_destination_pairs)
-        for p in pairs:
-            if not (isinstance(p, (tuple, list)) and len(p) == 2):
-                raise ValueError(f"batch_reduce_to expects (value, destinations) pairs, got {p!r}")
-        return self._batch_reduce_to(op, pairs, options)
+        return self._batch_reduce_to(op, checked_pairs("batch_reduce_to", value_destination_pairs), options)
 
     def update(
         self,
-        var: Any,
-        fn: Callable[..., Any],
-        args: Sequence[Any] = (),
-        kwargs: dict | None = None,
+        var: Variable | torch.Tensor | DistributedValues[object],
+        fn: Callable[..., object],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
         group: bool = True,
     ) -> Any:
         """Runs ``fn(var_component, *args, **kwargs)`` on each copy of ``var`` (cross-replica context)."""
         require_cross_replica(self)
         return self._update(var, fn, tuple(args), dict(kwargs or {}), group)
 
-    def variable_created_in_scope(self, v: Any) -> bool:
+    def variable_created_in_scope(self, v: object) -> bool:
         """Whether ``v`` (a parameter, buffer or ts.Variable) was created inside this strategy's scope."""
         return self._created_vars.get(id(v)) is v
 
-    def _register_created_variable(self, v: Any) -> None:
+    def _register_created_variable(self, v: object) -> None:
         try:
             self._created_vars[id(v)] = v
         except TypeError:
             pass
 
     # -- running ----------------------------------------------------------------------------------
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _call_for_each_replica(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> Any:
         strategy = self._container_strategy()
         if kwargs or any(isinstance(a, _NESTED) or type(a) in pytree.SUPPORTED_NODES for a in args):
             args, kwargs = select_replica(0, (args, kwargs))
@@ -549,7 +585,7 @@ class StrategyExtended:
             return fn(*args, **kwargs)
 
     def _merge_call(
-        self, replica_context: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict
+        self, replica_context: ReplicaContext, merge_fn: Callable[..., object], args: tuple, kwargs: dict
     ) -> Any:
         strategy = self._container_strategy()
         mode = _Mode(strategy, None, strategy, is_default=self._is_default)
@@ -560,10 +596,12 @@ class StrategyExtended:
             pop_mode(mode)
 
     # -- communication hooks ----------------------------------------------------------------------
-    def _reduce(self, op: ReduceOp, value: Any) -> Any:
+    def _reduce(self, op: ReduceOp, value: Reducible) -> Any:
         return self._reduce_to(op, value, self._reduce_device, None)
 
-    def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
+    def _reduce_to(
+        self, op: ReduceOp, value: Reducible, destinations: Destinations | None, options: CommunicationOptions | None
+    ) -> Any:
         comps = local_results(value)
         if not isinstance(value, DistributedValues) and op == ReduceOp.SUM and self._num_replicas_in_sync > 1:
             # TF's reduce_non_distributed_value, checked before the destinations as TF does.
@@ -577,16 +615,27 @@ class StrategyExtended:
             f"{type(self).__name__} must implement _reduce_to for {len(comps)} components"
         )
 
-    def _batch_reduce_to(self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: Any) -> list[Any]:
+    def _batch_reduce_to(
+        self, op: ReduceOp, pairs: list[tuple[Reducible, Destinations]], options: CommunicationOptions | None
+    ) -> list[Any]:
         return [self._reduce_to(op, v, d, options) for v, d in pairs]
 
-    def _gather_to(self, value: Any, destinations: Any, axis: int, options: Any) -> Any:
+    def _gather_to(
+        self, value: Reducible, destinations: Destinations | None, axis: int, options: CommunicationOptions | None
+    ) -> Any:
         comps = [torch.as_tensor(c) for c in local_results(value)]
         dests = self._destination_devices(destinations)
         out = torch.cat([c.to(dests[0]) for c in comps], dim=axis) if len(comps) > 1 else comps[0]
         return self._to_destinations(out, dests)
 
-    def _update(self, var: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, group: bool) -> Any:
+    def _update(
+        self,
+        var: Variable | torch.Tensor | DistributedValues[object],
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        group: bool,
+    ) -> Any:
         results = []
         with torch.no_grad():
             for i, comp in enumerate(self._update_components(var)):
@@ -595,10 +644,10 @@ class StrategyExtended:
             return regroup(results, Mirrored)
         return PerReplica(results) if len(results) > 1 else results[0]
 
-    def _update_components(self, var: Any) -> tuple[Any, ...]:
+    def _update_components(self, var: Variable | torch.Tensor | DistributedValues[object]) -> tuple[object, ...]:
         return local_results(var)
 
-    def _local_results(self, value: Any) -> tuple[Any, ...]:
+    def _local_results(self, value: object) -> tuple[Any, ...]:
         from torchstrategies.distribute.variables import DistributedVariable
 
         if isinstance(value, DistributedVariable):
@@ -606,7 +655,7 @@ class StrategyExtended:
         return local_results(value, self._num_local_replicas)
 
     # -- destinations -----------------------------------------------------------------------------
-    def _destination_devices(self, destinations: Any) -> tuple[torch.device, ...]:
+    def _destination_devices(self, destinations: Destinations | None) -> tuple[torch.device, ...]:
         if destinations is None:
             return (self._reduce_device,)
         if isinstance(destinations, DistributedValues):
@@ -620,7 +669,7 @@ class StrategyExtended:
         raise ValueError(f"destinations can not be empty or of unknown type: {destinations!r}")
 
     @staticmethod
-    def _to_destinations(t: torch.Tensor, dests: tuple[torch.device, ...]) -> Any:
+    def _to_destinations(t: torch.Tensor, dests: tuple[torch.device, ...]) -> torch.Tensor | Mirrored[torch.Tensor]:
         if len(dests) == 1:
             return t.to(dests[0])
         return Mirrored(tuple(t.to(d) for d in dests))
@@ -652,10 +701,12 @@ class StrategyExtended:
             if id(m) not in children:
                 self._on_module_created(m)
 
-    def _create_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
+    def _create_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
         return None
 
-    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> Any:
+    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor | None:
         return None
 
     def _on_module_created(self, module: torch.nn.Module) -> None:
@@ -665,13 +716,9 @@ class StrategyExtended:
         return None
 
     def _create_variable(
-        self,
-        initial_value: torch.Tensor,
-        synchronization: Any,
-        aggregation: Any,
-        trainable: bool,
-        name: str | None,
-    ) -> Any:
+        self, initial_value: torch.Tensor, synchronization: VariableSynchronization,
+        aggregation: VariableAggregation, trainable: bool, name: str | None
+    ) -> Variable:
         from torchstrategies.distribute.variables import _create_local_variable
 
         return _create_local_variable(self, initial_value, synchronization, aggregation, trainable, name)
@@ -686,19 +733,23 @@ class StrategyExtended:
         epoch ends). One pipeline: ``values`` as they are; a multi-worker strategy all-reduces them."""
         return values
 
-    def _experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Any:
+    def _experimental_distribute_dataset(
+        self, dataset: Iterable[object], options: InputOptions | None
+    ) -> DistributedDataset:
         from torchstrategies.distribute.input_lib import DistributedDataset
 
         return DistributedDataset(self._container_strategy(), dataset, options)
 
     def _distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
-    ) -> Any:
+        self, dataset_fn: Callable[[InputContext], Iterable[object]], options: InputOptions | None
+    ) -> DistributedDatasetsFromFunction:
         from torchstrategies.distribute.input_lib import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(self._container_strategy(), dataset_fn, options)
 
-    def _experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+    def _experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], object]
+    ) -> Any:
         outs = [
             value_fn(ValueContext(self._replica_id_offset + i, self._num_replicas_in_sync))
             for i in range(self._num_local_replicas)
@@ -709,11 +760,13 @@ class StrategyExtended:
 class _DefaultExtended(StrategyExtended):
     _is_default = True
 
-    def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
+    def _reduce_to(
+        self, op: ReduceOp, value: Reducible, destinations: Destinations | None, options: CommunicationOptions | None
+    ) -> Any:
         comps = local_results(value)
         return self._to_destinations(torch.as_tensor(comps[0]), self._destination_devices(destinations))
 
-    def _reduce(self, op: ReduceOp, value: Any) -> Any:
+    def _reduce(self, op: ReduceOp, value: Reducible) -> Any:
         # The default strategy returns the value unchanged (on its device).
         return local_results(value)[0]
 

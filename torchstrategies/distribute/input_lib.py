@@ -23,12 +23,36 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
 from torchstrategies.distribute.values import PerReplica, regroup
+
+T = TypeVar("T")
+
+
+class _InputExtended(Protocol):
+    """What the distributed input needs of a ``StrategyExtended`` (its replicas and input hooks)."""
+
+    _replica_id_offset: int
+
+    @property
+    def _num_local_replicas(self) -> int: ...
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]: ...
+    def _input_workers(self) -> tuple[int, int]: ...
+    def _input_max_over_pipelines(self, values: list[int]) -> list[int]: ...
+
+
+class _InputStrategy(Protocol):
+    """What the distributed input needs of a ``Strategy``."""
+
+    @property
+    def extended(self) -> _InputExtended: ...
+    @property
+    def num_replicas_in_sync(self) -> int: ...
 
 __all__ = [
     "InputContext",
@@ -117,7 +141,7 @@ def split_sizes(rows: int, num_replicas: int) -> list[int]:
     return [base + 1] * rem + [base] * (num_replicas - rem)
 
 
-def _batch_rows(leaves: list[Any]) -> int:
+def _batch_rows(leaves: list[object]) -> int:
     rows = None
     for x in leaves:
         if isinstance(x, torch.Tensor):
@@ -135,7 +159,7 @@ def _batch_rows(leaves: list[Any]) -> int:
     return rows
 
 
-def _to_device(structure: Any, device: torch.device, enabled: bool) -> Any:
+def _to_device(structure: T, device: torch.device, enabled: bool) -> T:
     if not enabled:
         return structure
     return pytree.tree_map(
@@ -149,7 +173,7 @@ def _to_device(structure: Any, device: torch.device, enabled: bool) -> Any:
 class DistributedIterator:
     """Iterator over PerReplica batches; ``get_next()`` is ``next()``."""
 
-    def __init__(self, gen: Iterator[Any]):
+    def __init__(self, gen: Iterator[object]):
         self._gen = gen
 
     def __iter__(self) -> DistributedIterator:
@@ -165,7 +189,7 @@ class DistributedIterator:
 class DistributedDataset:
     """Global batches split across replicas (what ``experimental_distribute_dataset`` returns)."""
 
-    def __init__(self, strategy: Any, dataset: Iterable[Any], options: InputOptions | None = None):
+    def __init__(self, strategy: _InputStrategy, dataset: Iterable[object], options: InputOptions | None = None):
         if not hasattr(dataset, "__iter__"):
             raise TypeError(
                 f"experimental_distribute_dataset expects an iterable of batches, got {dataset!r}"
@@ -180,7 +204,7 @@ class DistributedDataset:
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Iterator[object]:
         ext = self._strategy.extended
         n = self._strategy.num_replicas_in_sync
         offset, local = ext._replica_id_offset, ext._num_local_replicas
@@ -205,13 +229,13 @@ class DistributedDataset:
             yield _wrap(outs)
 
 
-def _wrap(outs: list[Any]) -> Any:
+def _wrap(outs: list[object]) -> object:
     if len(outs) == 1:
         return outs[0]
     return regroup(outs, PerReplica)
 
 
-def _empty_like(structure: Any) -> Any:
+def _empty_like(structure: T) -> T:
     return pytree.tree_map(lambda x: x[0:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, structure)
 
 
@@ -234,8 +258,8 @@ class DistributedDatasetsFromFunction:
 
     def __init__(
         self,
-        strategy: Any,
-        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        strategy: _InputStrategy,
+        dataset_fn: Callable[[InputContext], Iterable[object]],
         options: InputOptions | None = None,
     ):
         if not callable(dataset_fn):
@@ -258,17 +282,17 @@ class DistributedDatasetsFromFunction:
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(self._generate())
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Iterator[object]:
         ext = self._strategy.extended
         local, devices = ext._num_local_replicas, ext.worker_devices
         fetch = self._options.experimental_fetch_to_device
         pipelines, _ = ext._input_workers()
         steps = self._agreed_steps(ext, local) if pipelines > 1 else None
         it = iter(self._dataset)
-        template: Any = None  # the last batch seen: the structure of an empty one
+        template: object = None  # the last batch seen: the structure of an empty one
         step = 0
         while steps is None or step < steps:
-            outs: list[Any] = []
+            outs: list[object] = []
             for j in range(local):
                 try:
                     outs.append(_to_device(next(it), devices[j], fetch))
@@ -293,7 +317,7 @@ class DistributedDatasetsFromFunction:
             step += 1
             yield _wrap(outs)
 
-    def _agreed_steps(self, ext: Any, local: int) -> int | None:
+    def _agreed_steps(self, ext: _InputExtended, local: int) -> int | None:
         """The epoch's step count when every pipeline's iterable has a ``len()`` (None otherwise)."""
         try:
             n = len(self._dataset)  # type: ignore[arg-type]

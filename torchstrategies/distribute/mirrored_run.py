@@ -31,15 +31,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchstrategies._ext import _C
 from torchstrategies.distribute.context import _Mode, pop_mode, push_mode
-from torchstrategies.distribute.distribute_lib import ReplicaContext
+from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy
 from torchstrategies.distribute.values import regroup, select_replica
 from torchstrategies.errors import DeadlineExceededError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.distribute.replicated import ReplicatedTensors
 
 __all__ = ["acting_for", "call_for_each_replica", "current_replica", "merge_call"]
 
@@ -142,13 +145,13 @@ class _Replica:
         self.run = run
         self.index = index
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.result: Any = None
+        self.result: object = None
         self.done = False
         self.exc: BaseException | None = None
         self.stop = False
         self.worker: _Worker | None = None
         self.merge: tuple[Callable[..., Any], tuple, dict] | None = None  # waiting in this merge_call
-        self.merge_result: Any = None
+        self.merge_result: object = None
 
     def call(self) -> None:
         """Runs ``fn`` in this replica's context, on its device, in the current thread."""
@@ -181,7 +184,7 @@ class _Replica:
 class _Run:
     """One ``call_for_each_replica``: its replicas, the replicated tensors' views, the first error."""
 
-    def __init__(self, strategy: Any, replicated: Any, timeout: float | None):
+    def __init__(self, strategy: Strategy, replicated: ReplicatedTensors, timeout: float | None):
         ext = strategy.extended
         self.strategy = strategy
         self.devices = ext.worker_devices
@@ -315,7 +318,12 @@ def merge_call(replica: _Replica, merge_fn: Callable[..., Any], args: tuple, kwa
 
 
 def call_for_each_replica(
-    strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, replicated: Any, timeout: float | None
+    strategy: Strategy,
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    replicated: ReplicatedTensors,
+    timeout: float | None,
 ) -> Any:
     """Runs ``fn`` once per local replica (see the module docstring); regroups the results.
 
@@ -353,7 +361,7 @@ def call_for_each_replica(
     return regroup(results) if any(r is not None for r in results) else None
 
 
-def _modes(strategy: Any, n: int) -> list[_Mode]:
+def _modes(strategy: Strategy, n: int) -> list[_Mode]:
     """The context modes of ``strategy``'s ``n`` local replicas, then its cross-replica mode, made once per
     strategy (a ReplicaContext holds nothing of one run, so the same one serves every run)."""
     ext = strategy.extended

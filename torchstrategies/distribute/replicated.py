@@ -33,7 +33,7 @@ the scope (the copies are found again through the module tree and the optimizers
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
@@ -41,6 +41,9 @@ from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-def
 from torchstrategies._ext import _C
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, Pairs
 
 __all__ = ["ReplicatedTensors"]
 
@@ -53,7 +56,7 @@ class ReplicatedTensors:
         cross_device_ops: what sums gradients and averages buffers (``batch_reduce_implementation``).
     """
 
-    def __init__(self, devices: tuple[torch.device, ...], cross_device_ops: Any):
+    def __init__(self, devices: tuple[torch.device, ...], cross_device_ops: CrossDeviceOps):
         self.views = _C.ReplicaViews(list(devices))
         self._ops = cross_device_ops
         self._modules: list[weakref.ref[torch.nn.Module]] = []
@@ -105,7 +108,7 @@ class ReplicatedTensors:
         0 of parameters whose primary lives elsewhere) too."""
         pending = self.views.gradients_to_sum()
         if pending:
-            pairs = [(PerReplica(tuple(grads)), (p.device,)) for p, grads in pending]
+            pairs: Pairs = [(PerReplica(tuple(grads)), (p.device,)) for p, grads in pending]
             totals = self._ops.batch_reduce_implementation(ReduceOp.SUM, pairs, None)
             self.views.set_gradients([p for p, _ in pending], totals)
         if not end:

@@ -12,39 +12,44 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Generic, TypeAlias, TypeVar, overload
 
 import torch
 from torch.utils import _pytree as pytree
 
+from torchstrategies.distribute.device_util import DeviceLike
+
 __all__ = [
+    "Destinations",
     "DistributedValues",
     "PerReplica",
     "Mirrored",
     "select_replica",
     "regroup",
     "local_results",
-    "is_distributed",
+    "checked_pairs",
+    "Reducible",
 ]
 
+T = TypeVar("T")
+U = TypeVar("U")
+T_co = TypeVar("T_co", covariant=True)
 
-class DistributedValues:
+
+class DistributedValues(Generic[T_co]):
     """Base class: a value with one component per local replica (``tf.distribute.DistributedValues``)."""
 
-    def __init__(self, values: Sequence[Any]):
+    def __init__(self, values: Iterable[T_co]):
         values = tuple(values)
         if not values:
             raise ValueError(f"{type(self).__name__} needs at least one component, got {values!r}")
         self._values = values
 
     @property
-    def values(self) -> tuple[Any, ...]:
+    def values(self) -> tuple[T_co, ...]:
         """The components, one per local replica (``experimental_local_results``)."""
         return self._values
-
-    def _get(self, replica_id: int) -> Any:
-        return self._values[replica_id]
 
     def __len__(self) -> int:
         return len(self._values)
@@ -54,7 +59,7 @@ class DistributedValues:
         return f"{type(self).__name__}:{{\n  {inner}\n}}"
 
 
-class PerReplica(DistributedValues):
+class PerReplica(DistributedValues[T_co]):
     """One (possibly different) value per replica, e.g. what ``strategy.run`` returns.
 
     Example:
@@ -66,7 +71,7 @@ class PerReplica(DistributedValues):
     """
 
 
-class Mirrored(DistributedValues):
+class Mirrored(DistributedValues[T_co]):
     """The same value on every replica (e.g. the result of ``extended.reduce_to`` to several devices).
 
     Example:
@@ -77,11 +82,16 @@ class Mirrored(DistributedValues):
     """
 
 
-def is_distributed(x: Any) -> bool:
-    return isinstance(x, DistributedValues)
+# What the communication methods (``reduce``, ``extended.reduce_to``, ``CrossDeviceOps.reduce``) take: a
+# DistributedValues (one component per local replica) or a plain value (what ``torch.as_tensor`` takes), as
+# in TF.
+Reducible: TypeAlias = "DistributedValues[object] | torch.Tensor | float | Sequence[float]"
+# Where a result goes: a device (name), the devices of a tensor or of a DistributedValues' components, or a
+# list of devices or tensors (``cross_device_ops.destination_devices``).
+Destinations: TypeAlias = "DistributedValues[object] | torch.Tensor | DeviceLike | Sequence[torch.Tensor | DeviceLike]"
 
 
-def _is_leaf(x: Any) -> bool:
+def _is_leaf(x: object) -> bool:
     return isinstance(x, DistributedValues)
 
 
@@ -89,7 +99,7 @@ _CONTAINERS = (list, tuple, dict)
 _PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, complex})
 
 
-def _component(x: Any, replica_id: int) -> Any:
+def _component(x: object, replica_id: int) -> object:
     if isinstance(x, DistributedValues):
         if replica_id >= len(x.values):
             raise ValueError(
@@ -100,13 +110,18 @@ def _component(x: Any, replica_id: int) -> Any:
     return x
 
 
-def _nested(x: Any) -> bool:
+def _nested(x: object) -> bool:
     """Whether ``x`` is a pytree container (which may hold DistributedValues), not a leaf."""
     return isinstance(x, _CONTAINERS) or type(x) in pytree.SUPPORTED_NODES
 
 
-def select_replica(replica_id: int, structure: Any) -> Any:
-    """Replaces every DistributedValues in ``structure`` by its component for ``replica_id``."""
+@overload
+def select_replica(replica_id: int, structure: DistributedValues[T]) -> T: ...
+@overload
+def select_replica(replica_id: int, structure: T) -> T: ...
+def select_replica(replica_id: int, structure: object) -> object:
+    """Replaces every DistributedValues in ``structure`` by its component for ``replica_id`` (containers keep
+    their types)."""
 
     if (
         type(structure) is tuple
@@ -125,7 +140,9 @@ def select_replica(replica_id: int, structure: Any) -> Any:
     return pytree.tree_map(lambda x: _component(x, replica_id), structure, is_leaf=_is_leaf)
 
 
-def regroup(per_replica_outputs: Sequence[Any], wrap_class: type = PerReplica) -> Any:
+def regroup(
+    per_replica_outputs: Sequence[object], wrap_class: type[DistributedValues[object]] = PerReplica
+) -> object:
     """Turns a list of per-replica structures into one structure of ``wrap_class`` leaves.
 
     A leaf that is the very same object on every replica (and any leaf when there is one replica) is
@@ -166,7 +183,13 @@ def regroup(per_replica_outputs: Sequence[Any], wrap_class: type = PerReplica) -
     return pytree.tree_unflatten(grouped, spec0)
 
 
-def local_results(value: Any, num_local: int | None = None) -> tuple[Any, ...]:
+@overload
+def local_results(value: DistributedValues[T], num_local: int | None = None) -> tuple[T, ...]: ...
+@overload
+def local_results(value: T, num_local: None = None) -> tuple[T, ...]: ...
+@overload
+def local_results(value: object, num_local: int | None = None) -> tuple[object, ...]: ...
+def local_results(value: object, num_local: int | None = None) -> tuple[object, ...]:
     """Components of ``value`` (a tuple); a plain value gives a 1-tuple, as in TF.
 
     A structure holding DistributedValues gives one structure per local replica (``num_local`` of them).
@@ -179,3 +202,16 @@ def local_results(value: Any, num_local: int | None = None) -> tuple[Any, ...]:
         if any(isinstance(v, DistributedValues) for v in leaves):
             return tuple(select_replica(i, value) for i in range(num_local))
     return (value,)
+
+
+def checked_pairs(where: str, pairs: Iterable[tuple[T, U]]) -> list[tuple[T, U]]:
+    """``pairs`` as a list, after checking that each is a (value, destinations) pair.
+
+    Raises:
+        ValueError: an element is not a 2-tuple or 2-list.
+    """
+    out = list(pairs)
+    for p in out:
+        if not (isinstance(p, (tuple, list)) and len(p) == 2):
+            raise ValueError(f"{where} expects a list of (value, destinations) pairs, got {p!r}")
+    return out

@@ -36,8 +36,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -46,6 +47,12 @@ from torchstrategies.distribute import context
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization, reduce_op_for
 from torchstrategies.distribute.values import DistributedValues, PerReplica, local_results
 
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
+    from torchstrategies.distribute.cross_device_ops import CrossDeviceOps
+    from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
+
 __all__ = [
     "Variable",
     "DistributedVariable",
@@ -53,6 +60,18 @@ __all__ = [
     "SyncOnReadVariable",
     "aggregation_error_msg",
 ]
+
+# What a variable is created from or written with: a tensor, a number, another Variable.
+VariableValue: TypeAlias = "torch.Tensor | float | Sequence[float] | Variable"
+# An in-place write of a value into one component (``copy_``, ``add_``, ``sub_``).
+_Write: TypeAlias = Callable[[torch.Tensor, torch.Tensor], object]
+_Index: TypeAlias = "int | slice | torch.Tensor | EllipsisType | None"
+
+
+class _InProcessExtended(Protocol):
+    """What a SyncOnReadVariable's cross-replica read needs of its strategy (MirroredExtended has it)."""
+
+    _cross_device_ops: CrossDeviceOps
 
 aggregation_error_msg = (
     "You must specify an aggregation method to update a {variable_type} in Replica Context. You can do so by "
@@ -64,7 +83,7 @@ aggregation_error_msg = (
 )
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
+def _as_tensor(value: VariableValue | Callable[[], VariableValue] | None) -> torch.Tensor:
     if callable(value) and not isinstance(value, (torch.Tensor, Variable)):
         value = value()
     if isinstance(value, Variable):
@@ -74,7 +93,7 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.as_tensor(value).detach().clone()
 
 
-def _value_for(v: Any, like: torch.Tensor) -> torch.Tensor:
+def _value_for(v: VariableValue, like: torch.Tensor) -> torch.Tensor:
     if isinstance(v, Variable):
         v = v.read_value()
     return torch.as_tensor(v).to(device=like.device, dtype=like.dtype)
@@ -101,12 +120,12 @@ class Variable:
 
     def __new__(
         cls,
-        initial_value: Any = None,
+        initial_value: VariableValue | Callable[[], VariableValue] | None = None,
         trainable: bool | None = None,
-        synchronization: Any = VariableSynchronization.AUTO,
-        aggregation: Any = VariableAggregation.NONE,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
         name: str | None = None,
-    ) -> Any:
+    ) -> Variable:
         if cls is not Variable:
             return super().__new__(cls)
         from torchstrategies.distribute.creation import current_extended
@@ -125,7 +144,7 @@ class Variable:
             ext._register_created_variable(v)
         return v
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass  # everything is set by the factory functions
 
     # -- tensor-like surface ----------------------------------------------------------------------
@@ -136,7 +155,7 @@ class Variable:
         agg: VariableAggregation,
         trainable: bool,
         name: str | None,
-        strategy: Any = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self._components = tuple(components)
         self.synchronization = sync
@@ -146,7 +165,7 @@ class Variable:
         self._strategy = strategy
 
     @property
-    def distribute_strategy(self) -> Any:
+    def distribute_strategy(self) -> Strategy:
         return self._strategy if self._strategy is not None else context.get_strategy()
 
     @property
@@ -175,25 +194,26 @@ class Variable:
     def _read(self) -> torch.Tensor:
         return self._components[0]
 
-    def numpy(self) -> Any:
+    def numpy(self) -> np.ndarray:
         return self.read_value().detach().cpu().numpy()
 
-    def assign(self, value: Any) -> Variable:
-        with torch.no_grad():
-            for c in self._components:
-                c.copy_(_value_for(value, c))
-        return self
+    def assign(self, value: VariableValue) -> Variable:
+        """Writes ``value`` (under a strategy: TF's rules for the synchronization, see the module)."""
+        return self._write("assign", lambda c, v: c.copy_(v), value)
 
-    def assign_add(self, value: Any) -> Variable:
-        with torch.no_grad():
-            for c in self._components:
-                c.add_(_value_for(value, c))
-        return self
+    def assign_add(self, value: VariableValue) -> Variable:
+        """Adds ``value`` (under a strategy: TF's rules for the synchronization, see the module)."""
+        return self._write("assign_add", lambda c, v: c.add_(v), value)
 
-    def assign_sub(self, value: Any) -> Variable:
+    def assign_sub(self, value: VariableValue) -> Variable:
+        """Subtracts ``value`` (under a strategy: TF's rules for the synchronization, see the module)."""
+        return self._write("assign_sub", lambda c, v: c.sub_(v), value)
+
+    def _write(self, op: str, write: _Write, value: VariableValue) -> Variable:
+        """The one seam of the three writes (``op`` names the public method): here every component."""
         with torch.no_grad():
             for c in self._components:
-                c.sub_(_value_for(value, c))
+                write(c, _value_for(value, c))
         return self
 
     def __repr__(self) -> str:
@@ -203,11 +223,17 @@ class Variable:
         )
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: object,
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> Any:
         args, kwargs = tree_map_only(Variable, lambda v: v._read(), (args, kwargs or {}))
         return func(*args, **kwargs)
 
-    def __array__(self, dtype: Any = None) -> Any:
+    def __array__(self, dtype: np.dtype | None = None) -> np.ndarray:
         a = self.numpy()
         return a.astype(dtype) if dtype is not None else a
 
@@ -223,12 +249,12 @@ class Variable:
     def __len__(self) -> int:
         return len(self._read())
 
-    def __getitem__(self, idx: Any) -> torch.Tensor:
+    def __getitem__(self, idx: _Index | tuple[_Index, ...]) -> torch.Tensor:
         return self._read()[idx]
 
 
 def _binop(name: str) -> Callable[..., Any]:
-    def op(self: Variable, other: Any) -> Any:
+    def op(self: Variable, other: object) -> Any:
         if isinstance(other, Variable):
             other = other._read()
         return getattr(self._read(), name)(other)
@@ -277,7 +303,7 @@ def _new_local(
     trainable: bool,
     name: str | None,
     device: torch.device | None = None,
-    strategy: Any = None,
+    strategy: Strategy | None = None,
 ) -> Variable:
     v = object.__new__(_LocalVariable)
     if device is not None:
@@ -287,10 +313,10 @@ def _new_local(
 
 
 def _create_local_variable(
-    ext: Any,
+    ext: StrategyExtended,
     initial_value: torch.Tensor,
-    synchronization: Any,
-    aggregation: Any,
+    synchronization: VariableSynchronization,
+    aggregation: VariableAggregation,
     trainable: bool,
     name: str | None,
 ) -> Variable:
@@ -316,6 +342,8 @@ def _replica_id(var: DistributedVariable) -> int | None:
 class DistributedVariable(Variable):
     """A variable with one component per local replica (base of Mirrored/SyncOnRead variables)."""
 
+    _strategy: Strategy  # always set (``create_distributed_variable``)
+
     def _read(self) -> torch.Tensor:
         i = _replica_id(self)
         return self._components[0 if i is None or len(self._components) == 1 else i]
@@ -324,7 +352,7 @@ class DistributedVariable(Variable):
 class MirroredVariable(DistributedVariable):
     """ON_WRITE: every component holds the same value; replica-context writes are aggregated."""
 
-    def _assign_fn(self, f: Callable[[torch.Tensor, torch.Tensor], Any], value: Any) -> Variable:
+    def _write(self, op: str, f: _Write, value: VariableValue) -> Variable:
         strategy = self._strategy
         i = _replica_id(self)
         if i is None:
@@ -347,22 +375,13 @@ class MirroredVariable(DistributedVariable):
             return self
         agg = self.aggregation
 
-        def merge_fn(strategy: Any, v: Any) -> Any:
+        def merge_fn(strategy: Strategy, v: DistributedValues[VariableValue] | VariableValue) -> None:
             reduced = _apply_aggregation(strategy, v, agg, self)
             strategy.extended.update(self, lambda c, r: f(c, _value_for(r, c)), args=(reduced,))
             return None
 
         context.get_replica_context().merge_call(merge_fn, args=(value,))  # type: ignore[union-attr]
         return self
-
-    def assign(self, value: Any) -> Variable:
-        return self._assign_fn(lambda c, v: c.copy_(v), value)
-
-    def assign_add(self, value: Any) -> Variable:
-        return self._assign_fn(lambda c, v: c.add_(v), value)
-
-    def assign_sub(self, value: Any) -> Variable:
-        return self._assign_fn(lambda c, v: c.sub_(v), value)
 
 
 def _no_reduce_op_msg(agg: VariableAggregation) -> str:
@@ -373,7 +392,12 @@ def _no_reduce_op_msg(agg: VariableAggregation) -> str:
     )
 
 
-def _apply_aggregation(strategy: Any, value: Any, agg: VariableAggregation, destinations: Any) -> Any:
+def _apply_aggregation(
+    strategy: Strategy,
+    value: DistributedValues[VariableValue] | VariableValue,
+    agg: VariableAggregation,
+    destinations: Variable,
+) -> Any:
     if agg == VariableAggregation.ONLY_FIRST_REPLICA:
         first = local_results(value)[0]
         return first
@@ -399,7 +423,8 @@ class SyncOnReadVariable(DistributedVariable):
             return self._components[0]
         if agg == VariableAggregation.NONE:
             raise ValueError(_no_reduce_op_msg(agg))
-        ext = self._strategy.extended
+        # Only the in-process strategies (MirroredExtended) make SyncOnRead variables.
+        ext = cast(_InProcessExtended, self._strategy.extended)
         return ext._cross_device_ops.reduce(
             reduce_op_for(agg), PerReplica(self._components), self._components[0].device
         )
@@ -415,45 +440,23 @@ class SyncOnReadVariable(DistributedVariable):
                 "`tf.VariableAggregation.SUM`."
             )
 
-    def assign(self, value: Any) -> Variable:
+    def _write(self, op: str, write: _Write, value: VariableValue) -> Variable:
         i = _replica_id(self)
         with torch.no_grad():
             if i is not None:
-                self._components[i].copy_(_value_for(value, self._components[i]))
+                write(self._components[i], _value_for(value, self._components[i]))
                 return self
-            self._cross_replica_check("assign")
+            self._cross_replica_check(op)
             for c in self._components:
                 v = _value_for(value, c)
-                if self.aggregation == VariableAggregation.SUM:
-                    v = (v / len(self._components)).to(c.dtype)
-                c.copy_(v)
-        return self
-
-    def assign_add(self, value: Any) -> Variable:
-        i = _replica_id(self)
-        with torch.no_grad():
-            if i is not None:
-                self._components[i].add_(_value_for(value, self._components[i]))
-                return self
-            self._cross_replica_check("assign_add")
-            for c in self._components:
-                c.add_(_value_for(value, c))
-        return self
-
-    def assign_sub(self, value: Any) -> Variable:
-        i = _replica_id(self)
-        with torch.no_grad():
-            if i is not None:
-                self._components[i].sub_(_value_for(value, self._components[i]))
-                return self
-            self._cross_replica_check("assign_sub")
-            for c in self._components:
-                c.sub_(_value_for(value, c))
+                if op == "assign" and self.aggregation == VariableAggregation.SUM:
+                    v = (v / len(self._components)).to(c.dtype)  # the components sum back to ``value``
+                write(c, v)
         return self
 
 
 def create_distributed_variable(
-    ext: Any,
+    ext: StrategyExtended,
     initial_value: torch.Tensor,
     sync: VariableSynchronization,
     agg: VariableAggregation,

@@ -11,8 +11,6 @@ plain ``BatchNorm``: running statistics in eval mode, no communication.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -43,7 +41,7 @@ class _ReplicaCommunicator:
             return rc.all_reduce(ReduceOp.SUM, tensor)
 
 
-def _check_process_group(process_group: Any) -> None:
+def _check_process_group(process_group: object) -> None:
     if process_group is not None:
         raise ValueError(
             "ts.nn.SyncBatchNorm synchronizes over the replicas of the current strategy; process_group "
@@ -89,9 +87,9 @@ class SyncBatchNorm(_BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: Any = None,
+        process_group: object = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         bias: bool = True,
     ) -> None:
@@ -151,7 +149,7 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None) -> torch.nn.Module:
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: object = None) -> torch.nn.Module:
         """Replaces every ``BatchNorm1d/2d/3d`` (any ``_BatchNorm``) in ``module`` by ``ts.nn.SyncBatchNorm``.
 
         The new layers take over the old ones' parameters and buffers (the same tensors) and training flag,

@@ -10,12 +10,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import Strategy
+from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
+from torchstrategies.distribute.variables import Variable, create_distributed_variable
 from torchstrategies.strategies.mirrored import MirroredExtended, _default_devices
 from torchstrategies.strategies.one_device import canonical_device
 
@@ -28,11 +31,9 @@ class CentralStorageExtended(MirroredExtended):
         return self._variable_device
 
     def _create_variable(
-        self, initial_value: torch.Tensor, synchronization: Any, aggregation: Any, trainable: bool, name: Any
-    ) -> Any:
-        from torchstrategies.distribute.enums import VariableSynchronization
-        from torchstrategies.distribute.variables import create_distributed_variable
-
+        self, initial_value: torch.Tensor, synchronization: VariableSynchronization,
+        aggregation: VariableAggregation, trainable: bool, name: str | None
+    ) -> Variable:
         # ON_WRITE variables live once, on the parameter device; ON_READ ones keep a copy per replica.
         devices = None if synchronization == VariableSynchronization.ON_READ else (self._variable_device,)
         return create_distributed_variable(
@@ -65,8 +66,8 @@ class CentralStorageStrategy(Strategy):
 
     def __init__(
         self,
-        compute_devices: Sequence[Any] | None = None,
-        parameter_device: Any = None,
+        compute_devices: DeviceLike | Sequence[DeviceLike] | None = None,
+        parameter_device: DeviceLike | None = None,
         *,
         cross_device_ops: CrossDeviceOps | None = None,
     ):

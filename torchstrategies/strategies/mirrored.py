@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -31,12 +31,18 @@ from torchstrategies.distribute.cross_device_ops import (
     destination_devices,
     select_cross_device_ops,
 )
+from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
+from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.mirrored_run import call_for_each_replica, current_replica, merge_call
 from torchstrategies.distribute.replicated import ReplicatedTensors
-from torchstrategies.distribute.values import DistributedValues, local_results
+from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
+from torchstrategies.distribute.variables import Variable, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies.one_device import canonical_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchstrategies.collectives.options import CommunicationOptions
 
 __all__ = ["MirroredStrategy", "MirroredExtended"]
 
@@ -52,7 +58,9 @@ def _default_devices() -> list[str]:
     return ["cpu:0"]
 
 
-def _parse_devices(devices: Sequence[Any]) -> tuple[tuple[str, ...], tuple[torch.device, ...]]:
+def _parse_devices(
+    devices: DeviceLike | Sequence[DeviceLike],
+) -> tuple[tuple[str, ...], tuple[torch.device, ...]]:
     if isinstance(devices, (str, torch.device)):
         devices = [devices]
     devices = list(devices)
@@ -69,7 +77,7 @@ def _parse_devices(devices: Sequence[Any]) -> tuple[tuple[str, ...], tuple[torch
     return tuple(names), tuple(p for _, p in parsed)
 
 
-def _outside_scope_guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """A global optimizer step pre-hook: inside ``run`` of an in-process strategy with several replicas,
     an optimizer made outside the scope would step once per replica, each on its own gradient."""
     replica = current_replica()
@@ -92,7 +100,7 @@ def _once_per_step(cls: type, name: str) -> None:
         return
 
     @functools.wraps(orig)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(self: object, *args: object, **kwargs: object) -> Any:
         replica = current_replica()
         if replica is None:
             return orig(self, *args, **kwargs)
@@ -115,7 +123,10 @@ class MirroredExtended(StrategyExtended):
     cross-device ops (``distribute/mirrored_run.py``, ``distribute/replicated.py``)."""
 
     def __init__(
-        self, devices: Sequence[Any], cross_device_ops: CrossDeviceOps | None, parameter_device: Any = None
+        self,
+        devices: DeviceLike | Sequence[DeviceLike],
+        cross_device_ops: CrossDeviceOps | None,
+        parameter_device: DeviceLike | None = None,
     ):
         super().__init__()
         self._device_names, self._worker_devices = _parse_devices(devices)
@@ -135,7 +146,7 @@ class MirroredExtended(StrategyExtended):
         _install_global_hooks()
 
     # -- running ----------------------------------------------------------------------------------
-    def _call_for_each_replica(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+    def _call_for_each_replica(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> Any:
         if self._one_view:
             return super()._call_for_each_replica(fn, args, kwargs)
         self._replicated.refresh()
@@ -143,7 +154,9 @@ class MirroredExtended(StrategyExtended):
             self._container_strategy(), fn, args, kwargs, self._replicated, self.merge_call_timeout
         )
 
-    def _merge_call(self, replica_context: ReplicaContext, merge_fn: Any, args: tuple, kwargs: dict) -> Any:
+    def _merge_call(
+        self, replica_context: ReplicaContext, merge_fn: Callable[..., object], args: tuple, kwargs: dict
+    ) -> Any:
         replica = current_replica()
         if replica is not None and replica.run.strategy is self._container_strategy():
             return merge_call(replica, merge_fn, args, kwargs)
@@ -158,7 +171,9 @@ class MirroredExtended(StrategyExtended):
         return self._replicated.components(t)
 
     # -- communication ----------------------------------------------------------------------------
-    def _reduce_to(self, op: ReduceOp, value: Any, destinations: Any, options: Any) -> Any:
+    def _reduce_to(
+        self, op: ReduceOp, value: Reducible, destinations: Destinations | None, options: CommunicationOptions | None
+    ) -> Any:
         dests = destination_devices(destinations if destinations is not None else self._reduce_device)
         if not isinstance(value, DistributedValues):
             # TF's reduce_non_distributed_value.
@@ -172,14 +187,18 @@ class MirroredExtended(StrategyExtended):
             return self._cross_device_ops.broadcast(torch.as_tensor(value), dests)
         return self._cross_device_ops.reduce(op, value, dests, options)
 
-    def _batch_reduce_to(self, op: ReduceOp, pairs: list[tuple[Any, Any]], options: Any) -> list[Any]:
+    def _batch_reduce_to(
+        self, op: ReduceOp, pairs: list[tuple[Reducible, Destinations]], options: CommunicationOptions | None
+    ) -> list[Any]:
         if all(isinstance(v, DistributedValues) for v, _ in pairs):
             return self._cross_device_ops.batch_reduce(
                 op, [(v, destination_devices(d)) for v, d in pairs], options
             )
         return [self._reduce_to(op, v, d, options) for v, d in pairs]
 
-    def _gather_to(self, value: Any, destinations: Any, axis: int, options: Any) -> Any:
+    def _gather_to(
+        self, value: Reducible, destinations: Destinations | None, axis: int, options: CommunicationOptions | None
+    ) -> Any:
         dests = destination_devices(destinations if destinations is not None else self._reduce_device)
         comps = [torch.as_tensor(c) for c in local_results(value)]
         out = (
@@ -187,7 +206,7 @@ class MirroredExtended(StrategyExtended):
         )
         return self._cross_device_ops.broadcast(out, dests)
 
-    def _update_components(self, var: Any) -> tuple[Any, ...]:
+    def _update_components(self, var: Variable | torch.Tensor | DistributedValues[object]) -> tuple[object, ...]:
         if isinstance(var, torch.Tensor) and not isinstance(var, DistributedValues):
             return (var,)  # a replicated tensor: its primary (the components follow at their next turn)
         comps = getattr(var, "_components", None)
@@ -196,13 +215,15 @@ class MirroredExtended(StrategyExtended):
         return local_results(var)
 
     # -- creation ---------------------------------------------------------------------------------
-    def _create_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
+    def _create_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
         if torch.nn.parameter.is_lazy(param) or param.device == self._variable_device:
             return None  # a lazy module's parameter is replaced when it materializes
         with torch.no_grad():
             return torch.nn.Parameter(param.detach().to(self._variable_device), param.requires_grad)
 
-    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> Any:
+    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor | None:
         if torch.nn.parameter.is_lazy(buffer) or buffer.device == self._variable_device:
             return None
         return buffer.detach().to(self._variable_device)
@@ -211,15 +232,9 @@ class MirroredExtended(StrategyExtended):
         self._replicated.add_module(module)
 
     def _create_variable(
-        self,
-        initial_value: torch.Tensor,
-        synchronization: Any,
-        aggregation: Any,
-        trainable: bool,
-        name: str | None,
-    ) -> Any:
-        from torchstrategies.distribute.variables import create_distributed_variable
-
+        self, initial_value: torch.Tensor, synchronization: VariableSynchronization,
+        aggregation: VariableAggregation, trainable: bool, name: str | None
+    ) -> Variable:
         return create_distributed_variable(self, initial_value, synchronization, aggregation, trainable, name)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
@@ -240,7 +255,7 @@ def _merged_step(cls: type) -> None:
         return
 
     @functools.wraps(orig)
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> Any:
         replicated = getattr(self, "_torchstrategies_replicated", None)
         if replicated is None:
             return orig(self, *args, **kwargs)
@@ -257,10 +272,10 @@ def _merged_step(cls: type) -> None:
     cls.step = step  # type: ignore[attr-defined]
 
 
-def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Any], Any]:
+def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Strategy], object]:
     """The merge function of ``optimizer.step()``: one update, from the replicas' summed gradients."""
 
-    def update(strategy: Any) -> Any:
+    def update(strategy: Strategy) -> object:
         return optimizer.step()  # (in cross-replica context: the update, and the mark for the seed)
 
     update.__qualname__ = f"{type(optimizer).__name__}.step"
@@ -294,7 +309,7 @@ class MirroredStrategy(Strategy):
 
     def __init__(
         self,
-        devices: Sequence[Any] | None = None,
+        devices: DeviceLike | Sequence[DeviceLike] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
         *,
         num_replicas: int | None = None,

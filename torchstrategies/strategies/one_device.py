@@ -11,17 +11,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from torchstrategies.distribute import device_util
+from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 
 __all__ = ["OneDeviceStrategy"]
 
 
-def canonical_device(name: Any, must_exist: bool = False) -> tuple[str, torch.device]:
+def canonical_device(name: DeviceLike, must_exist: bool = False) -> tuple[str, torch.device]:
     """Normalizes TF- or torch-style device names ("/gpu:0", "/device:CPU:0", "cuda:1", "cpu").
 
     Args:
@@ -50,18 +51,20 @@ def canonical_device(name: Any, must_exist: bool = False) -> tuple[str, torch.de
 
 
 class OneDeviceExtended(StrategyExtended):
-    def __init__(self, device: Any):
+    def __init__(self, device: DeviceLike):
         super().__init__()
         self._device_name, dev = canonical_device(device, must_exist=True)
         self._worker_devices = (dev,)
 
-    def _create_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
+    def _create_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
         dev = self._worker_devices[0]
         if param.device == dev:
             return None
         return torch.nn.Parameter(param.detach().to(dev), requires_grad=param.requires_grad)
 
-    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> Any:
+    def _create_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor | None:
         dev = self._worker_devices[0]
         return None if buffer.device == dev else buffer.to(dev)
 
@@ -79,7 +82,7 @@ class OneDeviceStrategy(Strategy):
         tensor(4.)
     """
 
-    def __init__(self, device: Any):
+    def __init__(self, device: DeviceLike):
         super().__init__(OneDeviceExtended(device))
 
     def __repr__(self) -> str:

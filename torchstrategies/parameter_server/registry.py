@@ -16,16 +16,18 @@ import pickle
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import torch
 
+from torchstrategies.parameter_server.closure_cache import FunctionCache
+from torchstrategies.parameter_server.per_worker_input import PerWorkerDataset, PerWorkerDatasetIterator
+from torchstrategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
+from torchstrategies.parameter_server.specs import ShardSpec, VarSpec
+from torchstrategies.parameter_server.variables import PSVariable
 from torchstrategies.partitioners import num_shards_from, shard_offsets
-from torchstrategies.strategies.parameter_server.closure_cache import FunctionCache
-from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.specs import ShardSpec, VarSpec
-from torchstrategies.strategies.parameter_server.variables import PSVariable
 
 __all__ = ["Registry"]
 
@@ -57,8 +59,8 @@ class _FunctionInArguments(Exception):
 
 
 class _Pickler(cloudpickle.Pickler):
-    def __init__(self, file, registry: Registry, root: Any = None, pwv: list[PerWorkerValues] | None = None,
-                 arguments_only: bool = False):
+    def __init__(self, file, registry: Registry, root: torch.nn.Module | None = None,
+                 pwv: list[PerWorkerValues] | None = None, arguments_only: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.registry = registry
         self.root = root            # structure mode: the module being described, pickled by value
@@ -102,14 +104,12 @@ class _Pickler(cloudpickle.Pickler):
                 raise ValueError(f"{obj!r} belongs to another ParameterServerStrategy")
             self.refs.add(("variable", vid))
             return ("variable", vid)
-        from torchstrategies.strategies.parameter_server import coordinator as _coord
-
-        if isinstance(obj, _coord.PerWorkerDatasetIterator):
-            if obj._coordinator._registry is not reg:
+        if isinstance(obj, PerWorkerDatasetIterator):
+            if obj._book is not reg:
                 raise ValueError("a per-worker iterator of another ClusterCoordinator was passed to schedule()")
             self.refs.add(("iter", obj._iid))
             return ("iter", obj._iid)
-        if isinstance(obj, _coord.PerWorkerDataset):
+        if isinstance(obj, PerWorkerDataset):
             raise ValueError("pass iter(per_worker_dataset) to the scheduled function, not the dataset itself")
         if isinstance(obj, PerWorkerValues):
             self.pwv.append(obj)
@@ -117,8 +117,6 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, RemoteValue):
             raise ValueError("a RemoteValue used as an input to a scheduled function is not supported "
                              "(TF's rule): fetch() it first")
-        if isinstance(obj, _coord.ClusterCoordinator):
-            raise ValueError("a scheduled function cannot use the ClusterCoordinator (it runs on a worker)")
         if obj is reg.strategy:
             return ("strategy",)
         return None
@@ -134,7 +132,7 @@ class Registry:
         self.partitioner = partitioner
         self.lock = threading.RLock()
         self.specs: dict[int, VarSpec] = {}
-        self.params: dict[int, torch.nn.Parameter] = {}
+        self.params: dict[int, torch.Tensor] = {}      # the chief's own copy of each placed parameter
         self.param_vid: dict[int, int] = {}
         self.recorded_version: dict[int, int] = {}
         self.scope_params: dict[int, torch.Tensor] = {}     # id -> param created under scope()
@@ -155,12 +153,24 @@ class Registry:
         self._next_ps = 0
         self.dirty = False                     # closures ran since the chief last refreshed its copies
         self._syncing = False
-        self.function_cache = FunctionCache(self)
+        self.function_cache = FunctionCache(self.is_reference)
 
     def new_id(self) -> int:
         with self.lock:
             self._next_id += 1
             return self._next_id
+
+    def new_dataset(self, blob: bytes) -> int:
+        """Numbers a per-worker dataset (``blob``: its pickled ``dataset_fn``, sent to each worker once)."""
+        did = self.new_id()
+        self.dataset_blobs[did] = blob
+        return did
+
+    def new_iterator(self, dataset_id: int) -> int:
+        """Numbers a per-worker iterator over dataset ``dataset_id`` (``iter(per_worker_dataset)``)."""
+        iid = self.new_id()
+        self.iter_defs[iid] = dataset_id
+        return iid
 
     # ---- parameters ----------------------------------------------------------------------------
     def track_scope_param(self, module, name: str, param) -> None:
@@ -220,7 +230,7 @@ class Registry:
         for ps, (h, ts) in by_ps.items():
             self._ps_call(ps, h, ts)
 
-    def create_variable(self, initial_value: Any, synchronization: Any = None, aggregation: Any = None,
+    def create_variable(self, initial_value: object, synchronization: object = None, aggregation: object = None,
                         trainable: bool = False, name: str | None = None) -> PSVariable:
         """A variable on the next ps (round-robin), never partitioned."""
         with self.lock:
@@ -357,19 +367,45 @@ class Registry:
                 self.opt_hyper_blob[oid] = blob
 
     # ---- closures ------------------------------------------------------------------------------
-    def dumps(self, obj: Any) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
+    def is_reference(self, v: object) -> bool:
+        """Whether the closure pickler (``_Pickler.persistent_id``) replaces ``v`` by a reference to this book
+        (what the :class:`FunctionCache` may keep inside a cached function)."""
+        if isinstance(v, torch.Tensor):
+            vid = self.param_vid.get(id(v))
+            return vid is not None and self.params[vid] is v
+        if isinstance(v, torch.nn.Module):
+            mid = self.module_mid.get(id(v))
+            return mid is not None and self.modules[mid] is v
+        if isinstance(v, torch.optim.Optimizer):
+            oid = self.opt_oid.get(id(v))
+            return oid is not None and self.optimizers[oid] is v
+        if isinstance(v, PSVariable):
+            vid = self.variable_vid.get(id(v))
+            return vid is not None and self.variables[vid] is v
+        if isinstance(v, PerWorkerDatasetIterator):
+            return v._book is self
+        if isinstance(v, (PerWorkerDataset, RemoteValue)):
+            return False                  # the pickler raises its error for these
+        if isinstance(v, PerWorkerValues):
+            return True                   # its per-worker value is pickled when the closure is sent
+        return v is self.strategy
+
+    def dumps(self, obj: object) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
         buf = io.BytesIO()
         pickler = _Pickler(buf, self)
         pickler.dump(obj)
         return buf.getvalue(), pickler.refs, pickler.pwv
 
-    def dumps_closure(self, fn: Any, args: tuple, kwargs: dict) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
+    def dumps_closure(self, fn: Callable[..., object], args: tuple,
+                      kwargs: dict) -> tuple[bytes, set[tuple], list[PerWorkerValues]]:
         """``dumps((fn, args, kwargs))``, reusing the pickle of ``fn`` from the :class:`FunctionCache`.
 
         A cached function travels inside the closure's pickle as a persistent id ``("fn", its pickle)``,
         which the worker unpickles in place (with the same references); the arguments are pickled every time.
         """
         cache = self.function_cache
+        if not isinstance(fn, types.FunctionType):   # partials, bound methods, callable objects
+            return self.dumps((fn, args, kwargs))
         fingerprint = cache.fingerprint(fn)
         if fingerprint is None:
             return self.dumps((fn, args, kwargs))

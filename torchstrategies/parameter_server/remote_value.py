@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torchstrategies.errors import CancelledError
+from torchstrategies.errors import CancelledError, DeadlineExceededError
 
-__all__ = ["RemoteValue", "RemoteValueStatus", "PerWorkerValues"]
+__all__ = ["PerWorkerValues", "RemoteValue", "RemoteValueStatus", "map_tensors"]
 
 
 class RemoteValueStatus(enum.Enum):
@@ -38,13 +39,13 @@ class RemoteValue:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._status = RemoteValueStatus.NOT_READY
-        self._value: Any = None
+        self._value: object = None
         self._error: BaseException | None = None
-        self._fetched: Any = None
+        self._fetched: object = None
         self._has_fetched = False
 
     # ---- set by the coordinator ----------------------------------------------------------------
-    def _set_value(self, value: Any) -> None:
+    def _set_value(self, value: object) -> None:
         with self._cond:
             self._value, self._error = value, None
             self._status = RemoteValueStatus.READY
@@ -72,8 +73,6 @@ class RemoteValue:
     def _wait(self, timeout: float | None) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: self._status is RemoteValueStatus.READY, timeout=timeout):
-                from torchstrategies.errors import DeadlineExceededError
-
                 raise DeadlineExceededError(f"the scheduled function did not finish within {timeout}s")
         if self._error is not None:
             raise self._error
@@ -87,7 +86,7 @@ class RemoteValue:
         """Waits for the function's result and returns it with tensors as numpy arrays."""
         self._wait(timeout)
         if not self._has_fetched:
-            self._fetched = _to_numpy(self._value)
+            self._fetched = map_tensors(_to_numpy, self._value)
             self._has_fetched = True
         return self._fetched
 
@@ -109,13 +108,18 @@ class PerWorkerValues:
         return f"PerWorkerValues({self._values!r})"
 
 
-def _to_numpy(obj):
+def map_tensors(fn: Callable[[torch.Tensor], object], obj: object) -> object:
+    """``obj`` with ``fn`` applied to every tensor in it (through lists, tuples, namedtuples and dicts)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_numpy(x) for x in obj))
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_make"):     # a namedtuple
+        return obj._make(map_tensors(fn, x) for x in obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_numpy(x) for x in obj)
+        return type(obj)(map_tensors(fn, x) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to_numpy(v) for k, v in obj.items()}
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     return obj
+
+
+def _to_numpy(t: torch.Tensor) -> object:
+    return t.detach().cpu().numpy()

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from torchstrategies.errors import UnavailableError
-from torchstrategies.strategies.parameter_server.auth import JobAuth
+from torchstrategies.parameter_server.rpc.auth import JobAuth
 
 __all__ = ["Entry", "EntryReader", "publish", "entry_key", "connect_store", "local_address", "store_prefix"]
 

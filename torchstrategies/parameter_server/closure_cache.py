@@ -31,6 +31,7 @@ import sys
 import threading
 import types
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,8 +73,8 @@ class _Entry:
 class _Walk:
     """Collects, in a fixed order, every object the pickle of a function depends on."""
 
-    def __init__(self, registry: Any, top: types.FunctionType):
-        self.reg = registry
+    def __init__(self, is_reference: Callable[[object], bool], top: types.FunctionType):
+        self.is_reference = is_reference
         self.top = top
         self.out: list[Any] = []
         self.walked: set[int] = set()
@@ -128,17 +129,17 @@ class _Walk:
                 self.value(k, depth)
                 self.value(v, depth)
 
-    def value(self, v: Any, depth: int) -> None:
+    def value(self, v: object, depth: int) -> None:
         t = type(v)
         if t in _ATOMS:
             self.out.append(v)
             return
-        if t is tuple or t is frozenset:
+        if isinstance(v, (tuple, frozenset)) and (t is tuple or t is frozenset):   # not a namedtuple
             self.out.append(v)
             for x in v:
                 self.value(x, depth)
             return
-        if t is types.FunctionType:
+        if isinstance(v, types.FunctionType):     # (not subclassable)
             self.function(v, depth + 1)
             return
         self.out.append(v)
@@ -146,46 +147,20 @@ class _Walk:
             if getattr(v, "__module__", "") is None or not _should_pickle_by_reference(v):
                 raise _Uncacheable        # a dynamic module or class is pickled by value: mutable
             return
-        if t is types.BuiltinFunctionType:
+        if isinstance(v, types.BuiltinFunctionType):
             if v.__self__ is None or isinstance(v.__self__, types.ModuleType):
                 return
             raise _Uncacheable
-        if not self.by_reference(v):
+        if not self.is_reference(v):
             raise _Uncacheable
-
-    def by_reference(self, v: Any) -> bool:
-        """Whether the registry's pickler replaces ``v`` by a reference (see ``registry._Pickler``)."""
-        from torchstrategies.strategies.parameter_server import coordinator as _coord
-        from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-        from torchstrategies.strategies.parameter_server.variables import PSVariable
-
-        reg = self.reg
-        if isinstance(v, torch.Tensor):
-            vid = reg.param_vid.get(id(v))
-            return vid is not None and reg.params[vid] is v
-        if isinstance(v, torch.nn.Module):
-            mid = reg.module_mid.get(id(v))
-            return mid is not None and reg.modules[mid] is v
-        if isinstance(v, torch.optim.Optimizer):
-            oid = reg.opt_oid.get(id(v))
-            return oid is not None and reg.optimizers[oid] is v
-        if isinstance(v, PSVariable):
-            vid = reg.variable_vid.get(id(v))
-            return vid is not None and reg.variables[vid] is v
-        if isinstance(v, _coord.PerWorkerDatasetIterator):
-            return v._coordinator._registry is reg
-        if isinstance(v, (_coord.PerWorkerDataset, RemoteValue, _coord.ClusterCoordinator)):
-            return False                  # the pickler raises its error for these
-        if isinstance(v, PerWorkerValues):
-            return True                   # its per-worker value is pickled when the closure is sent
-        return v is reg.strategy
 
 
 class FunctionCache:
     """Pickled scheduled functions, reused while what their pickle depends on is unchanged.
 
     Args:
-        registry: the chief's :class:`~torchstrategies.strategies.parameter_server.registry.Registry`.
+        is_reference: whether the closure pickler replaces an object by a reference to the chief's book
+            (``Registry.is_reference``); such an object may stay in a cached function.
 
     ``Registry.dumps_closure`` (what ``ClusterCoordinator.schedule`` calls) is its one user.
 
@@ -194,8 +169,8 @@ class FunctionCache:
         >>> entry = cache.lookup(train_step, fingerprint)     # None: pickle it, store  # doctest: +SKIP
     """
 
-    def __init__(self, registry: Any):
-        self._registry = registry
+    def __init__(self, is_reference: Callable[[object], bool]):
+        self._is_reference = is_reference
         self._lock = threading.Lock()
         self._entries: OrderedDict[types.CodeType, _Entry] = OrderedDict()
         self.pickled = 0        # functions pickled by value for the cache (tests and profiling)
@@ -211,11 +186,11 @@ class FunctionCache:
         """Whether the installed cloudpickle exposes the rules the fingerprint follows."""
         return _extract_code_globals is not None and _should_pickle_by_reference is not None
 
-    def fingerprint(self, fn: Any) -> list[Any] | None:
+    def fingerprint(self, fn: object) -> list[Any] | None:
         """What the pickle of ``fn`` depends on, or None if ``fn`` is not cacheable."""
         if type(fn) is not types.FunctionType or not self.enabled():
             return None                  # partials, bound methods, callable objects: pickled every time
-        walk = _Walk(self._registry, fn)
+        walk = _Walk(self._is_reference, fn)
         try:
             walk.function(fn, 0)
         except Exception:  # noqa: BLE001 - _Uncacheable, or an attribute that fails: pickle as without cache

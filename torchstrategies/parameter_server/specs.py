@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ShardSpec", "VarSpec", "split_rows"]
+__all__ = ["PsCall", "ShardSpec", "VarSpec", "split_rows"]
+
+# One request to a ps task: ``(ps index, header, tensors) -> (reply header, reply tensors)``.
+PsCall = Callable[[int, dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from torchstrategies import errors
+
 __all__ = ["VERSION", "WireError", "encode", "decode", "encode_error", "decode_error"]
 
 VERSION = 1
@@ -97,7 +99,7 @@ def encode(
     """
     blobs: list[bytes] = []
 
-    def blob(x: Any) -> Any:  # json calls this for what it cannot encode itself
+    def blob(x: object) -> dict[str, int]:  # json calls this for what it cannot encode itself
         if isinstance(x, (bytes, bytearray, memoryview)):
             blobs.append(bytes(x))
             return {"$b": len(blobs) - 1}
@@ -148,6 +150,32 @@ def decode(
     Raises:
         WireError: the message does not follow the schema.
     """
+    body, raw_header, pos = _read_header(data, offset)
+    sizes, layout = _layout(body)
+    tensor_sizes = [_nbytes(d, s) for d, s in layout]
+    if covered is not None and pos + sum(sizes) != offset + covered:
+        raise WireError(
+            f"the authenticated part of the message ({covered} bytes) does not end where its header and "
+            f"blobs end ({pos + sum(sizes) - offset} bytes)"
+        )
+    if sum(sizes) + sum(tensor_sizes) != len(data) - pos:
+        raise WireError(
+            f"lengths in the header ({sum(sizes) + sum(tensor_sizes)} bytes) do not match the "
+            f"{len(data) - pos} bytes received"
+        )
+    view = memoryview(data)
+    blobs = []
+    for n in sizes:
+        blobs.append(bytes(view[pos : pos + n]))
+        pos += n
+    tensors = _read_tensors(data, pos, layout, tensor_sizes, copy)
+    if not blobs and b'"$b"' not in raw_header:
+        return body, tensors  # nothing to substitute: skip the walk
+    return _with_blobs(body, blobs), tensors
+
+
+def _read_header(data: bytes, offset: int) -> tuple[dict[str, Any], bytes, int]:
+    """The preamble and JSON header at ``data[offset:]``: ``(header, its raw bytes, where the blobs start)``."""
     size = len(data) - offset
     if size < _FIXED.size:
         raise WireError(f"message of {size} bytes is shorter than the {_FIXED.size}-byte preamble")
@@ -164,15 +192,19 @@ def decode(
         body = json.loads(raw_header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"header is not valid JSON: {exc}") from None
-    pos += hlen
     if not isinstance(body, dict):
         raise WireError("header is not a JSON object")
+    return body, raw_header, pos + hlen
+
+
+def _layout(body: dict[str, Any]) -> tuple[list[int], list[tuple[torch.dtype, list[int]]]]:
+    """Takes the blob lengths and tensor descriptions out of ``body`` and checks them."""
     blob_lens = body.pop("_blobs", [])
     metas = body.pop("_tensors", [])
     if not isinstance(blob_lens, list) or not isinstance(metas, list):
         raise WireError("header's _blobs/_tensors are not lists")
     sizes: list[int] = []
-    dtypes: list[tuple[torch.dtype, list[int]]] = []
+    layout: list[tuple[torch.dtype, list[int]]] = []
     for n in blob_lens:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise WireError(f"bad blob length {n!r}")
@@ -182,60 +214,47 @@ def decode(
             isinstance(meta, list) and len(meta) == 2 and meta[0] in _DTYPES and isinstance(meta[1], list)
         ):
             raise WireError(f"bad tensor description {meta!r}")
-        dtypes.append((_DTYPES[meta[0]], meta[1]))
-    tensor_sizes = [_nbytes(d, s) for d, s in dtypes]
-    if covered is not None and pos + sum(sizes) != offset + covered:
-        raise WireError(
-            f"the authenticated part of the message ({covered} bytes) does not end where its header and "
-            f"blobs end ({pos + sum(sizes) - offset} bytes)"
-        )
-    if sum(sizes) + sum(tensor_sizes) != len(data) - pos:
-        raise WireError(
-            f"lengths in the header ({sum(sizes) + sum(tensor_sizes)} bytes) do not match the "
-            f"{len(data) - pos} bytes received"
-        )
-    view = memoryview(data)
-    blobs = []
-    for n in sizes:
-        blobs.append(bytes(view[pos : pos + n]))
-        pos += n
-    tensors = []
-    if dtypes:
-        if copy:
-            buf: Any = bytearray(view[pos:])  # one copy: writable memory the tensors can own
-            off = 0
+        layout.append((_DTYPES[meta[0]], meta[1]))
+    return sizes, layout
+
+
+def _read_tensors(data: bytes, pos: int, layout: list[tuple[torch.dtype, list[int]]], sizes: list[int],
+                  copy: bool) -> list[torch.Tensor]:
+    """The tensors whose bytes start at ``data[pos]`` (lengths already checked against ``data``)."""
+    tensors: list[torch.Tensor] = []
+    if not layout:
+        return tensors
+    buf: bytes | bytearray = data
+    off = pos
+    if copy:
+        buf, off = bytearray(memoryview(data)[pos:]), 0  # one copy: writable memory the tensors can own
+    for (dtype, shape), n in zip(layout, sizes, strict=True):
+        store = torch.uint8 if dtype == torch.bool else dtype
+        if n == 0:
+            t = torch.empty(shape, dtype=store)
         else:
-            buf, off = data, pos
-        for (dtype, shape), n in zip(dtypes, tensor_sizes, strict=True):
-            store = torch.uint8 if dtype == torch.bool else dtype
-            if n == 0:
-                t = torch.empty(shape, dtype=store)
-            else:
-                t = torch.frombuffer(buf, dtype=store, count=n // store.itemsize, offset=off).view(shape)
-            tensors.append(t.view(torch.bool) if dtype == torch.bool else t)
-            off += n
+            t = torch.frombuffer(buf, dtype=store, count=n // store.itemsize, offset=off).view(shape)
+        tensors.append(t.view(torch.bool) if dtype == torch.bool else t)
+        off += n
+    return tensors
 
-    def unconv(x: Any) -> Any:
-        if isinstance(x, dict):
-            if len(x) == 1 and "$b" in x:
-                i = x["$b"]
-                if not isinstance(i, int) or not 0 <= i < len(blobs):
-                    raise WireError(f"blob reference {i!r} out of range")
-                return blobs[i]
-            return {k: unconv(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [unconv(v) for v in x]
-        return x
 
-    if not blobs and b'"$b"' not in raw_header:
-        return body, tensors  # nothing to substitute: skip the walk
-    return unconv(body), tensors
+def _with_blobs(x: Any, blobs: list[bytes]) -> Any:
+    """``x`` with each ``{"$b": i}`` replaced by ``blobs[i]``."""
+    if isinstance(x, dict):
+        if len(x) == 1 and "$b" in x:
+            i = x["$b"]
+            if not isinstance(i, int) or not 0 <= i < len(blobs):
+                raise WireError(f"blob reference {i!r} out of range")
+            return blobs[i]
+        return {k: _with_blobs(v, blobs) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_with_blobs(v, blobs) for v in x]
+    return x
 
 
 # ---- errors carried in a reply ---------------------------------------------------------------------
 def _known_errors() -> dict[str, type[BaseException]]:
-    from torchstrategies import errors
-
     known: dict[str, type[BaseException]] = {
         c.__name__: c
         for c in (

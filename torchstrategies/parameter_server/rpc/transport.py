@@ -29,7 +29,7 @@ each message names its method (``op``), which the server checks against the stre
 caller's role (a chief-only method from a worker's stream is refused, its body never unpickled). Each
 request still has its deadline: the client cancels a stream whose reply is late.
 
-The client side (:class:`~torchstrategies.strategies.parameter_server.client.RpcClient`) is in ``client.py``.
+The client side (:class:`~torchstrategies.parameter_server.rpc.client.RpcClient`) is in ``client.py``.
 Errors: a deadline becomes :class:`DeadlineExceededError`, any other transport failure
 :class:`UnavailableError`, both naming the peer and the method; an exception raised by the handler comes
 back as :class:`RemoteError` (rebuilt from its type name and message, never unpickled, except closure errors
@@ -51,9 +51,9 @@ import grpc
 import torch
 
 from torchstrategies.errors import UnavailableError
-from torchstrategies.strategies.parameter_server import wire
-from torchstrategies.strategies.parameter_server.auth import AUTH_KEY, CHIEF, JobAuth
-from torchstrategies.strategies.parameter_server.session import (
+from torchstrategies.parameter_server.rpc import wire
+from torchstrategies.parameter_server.rpc.auth import AUTH_KEY, CHIEF, JobAuth
+from torchstrategies.parameter_server.rpc.session import (
     FRAME,
     HELLO_KEY,
     AuthError,

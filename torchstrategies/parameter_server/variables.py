@@ -11,9 +11,9 @@ they are kept for TF compatibility (``ON_READ`` variables are ps variables too).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from torchstrategies.parameter_server.specs import PsCall, VarSpec
 
 __all__ = ["PSVariable"]
 
@@ -27,9 +27,9 @@ class PSVariable:
         >>> coordinator.schedule(lambda: steps.assign_add(1.0))      # doctest: +SKIP
     """
 
-    def __init__(self, backend: Any, spec: Any, aggregation: Any = None, synchronization: Any = None,
+    def __init__(self, backend: PsCall, spec: VarSpec, aggregation: object = None, synchronization: object = None,
                  trainable: bool = False):
-        self._backend = backend          # call(ps, header, tensors) -> (reply, tensors)
+        self._backend = backend
         self._spec = spec
         self.aggregation = aggregation
         self.synchronization = synchronization
@@ -53,7 +53,7 @@ class PSVariable:
         return torch.device("cpu")
 
     # ---- reads and writes on the ps ------------------------------------------------------------
-    def _call(self, op: str, value: Any = None) -> Any:
+    def _call(self, op: str, value: object = None) -> list[torch.Tensor]:
         shard = self._spec.shards[0]
         tensors = [] if value is None else [torch.as_tensor(value, dtype=self.dtype).expand(self.shape).contiguous()]
         _, out = self._backend(shard.ps, {"op": op, "keys": [shard.key]}, tensors)
@@ -65,16 +65,18 @@ class PSVariable:
 
     value = read_value
 
-    def assign(self, value: Any, read_value: bool = True) -> Any:
-        self._call("assign", value)
-        return self if read_value else None
+    def assign(self, value: object, read_value: bool = True) -> PSVariable | None:
+        return self._update("assign", value, read_value)
 
-    def assign_add(self, delta: Any, read_value: bool = True) -> Any:
-        self._call("assign_add", delta)
-        return self if read_value else None
+    def assign_add(self, delta: object, read_value: bool = True) -> PSVariable | None:
+        return self._update("assign_add", delta, read_value)
 
-    def assign_sub(self, delta: Any, read_value: bool = True) -> Any:
-        self._call("assign_sub", delta)
+    def assign_sub(self, delta: object, read_value: bool = True) -> PSVariable | None:
+        return self._update("assign_sub", delta, read_value)
+
+    def _update(self, op: str, value: object, read_value: bool) -> PSVariable | None:
+        """``op`` executed by the ps itself, atomically."""
+        self._call(op, value)
         return self if read_value else None
 
     def numpy(self):

@@ -16,9 +16,9 @@ import grpc
 import torch
 
 from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
-from torchstrategies.strategies.parameter_server import wire
-from torchstrategies.strategies.parameter_server.auth import AUTH_KEY, JobAuth
-from torchstrategies.strategies.parameter_server.session import (
+from torchstrategies.parameter_server.rpc import wire
+from torchstrategies.parameter_server.rpc.auth import AUTH_KEY, JobAuth
+from torchstrategies.parameter_server.rpc.session import (
     FRAME,
     HELLO_KEY,
     AuthError,
@@ -27,8 +27,8 @@ from torchstrategies.strategies.parameter_server.session import (
     client_hello,
     client_session,
 )
-from torchstrategies.strategies.parameter_server.streams import StreamExpired, StreamPool
-from torchstrategies.strategies.parameter_server.transport import (
+from torchstrategies.parameter_server.rpc.streams import StreamExpired, StreamPool
+from torchstrategies.parameter_server.rpc.transport import (
     HANDSHAKE_PATH,
     METHODS,
     PATHS,

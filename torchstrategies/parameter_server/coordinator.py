@@ -18,13 +18,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.closure_queue import ClosureQueue
-from torchstrategies.strategies.parameter_server.remote_value import PerWorkerValues, RemoteValue
-from torchstrategies.strategies.parameter_server.transport import RemoteError
+import cloudpickle
 
-__all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerDatasetIterator"]
+from torchstrategies.errors import CancelledError, DeadlineExceededError, UnavailableError
+from torchstrategies.parameter_server.closure_queue import ClosureQueue
+from torchstrategies.parameter_server.per_worker_input import (
+    PerWorkerDataset,
+    PerWorkerDatasetIterator,
+    PerWorkerInputContext,
+    dataset_fn_for_workers,
+)
+from torchstrategies.parameter_server.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
+from torchstrategies.parameter_server.rpc.client import RpcClient
+from torchstrategies.parameter_server.rpc.transport import RemoteError
+from torchstrategies.parameter_server.strategy import ParameterServerStrategy
+
+# What ``ts.coordinator`` exports (tf.distribute.coordinator's names): the one list of them.
+__all__ = [
+    "ClusterCoordinator",
+    "PerWorkerDataset",
+    "PerWorkerDatasetIterator",
+    "PerWorkerInputContext",
+    "PerWorkerValues",
+    "RemoteValue",
+    "RemoteValueStatus",
+]
 
 log = logging.getLogger("torchstrategies.parameter_server")
 
@@ -38,41 +56,6 @@ class _Closure:
 
     def mark_cancelled(self) -> None:
         self.remote_value._mark_cancelled()
-
-
-class PerWorkerDataset:
-    """A dataset built by every worker from ``dataset_fn`` (``coordinator.create_per_worker_dataset``).
-
-    ``iter(per_worker_dataset)`` gives a :class:`PerWorkerDatasetIterator`; pass it to a scheduled function
-    (as an argument or through its closure) and call ``next(iterator)`` there: each worker draws from its own
-    iterator, which keeps its position across closures.
-    """
-
-    def __init__(self, coordinator: ClusterCoordinator, did: int):
-        self._coordinator = coordinator
-        self._did = did
-
-    def __iter__(self) -> PerWorkerDatasetIterator:
-        reg = self._coordinator._registry
-        iid = reg.new_id()
-        reg.iter_defs[iid] = self._did
-        return PerWorkerDatasetIterator(self._coordinator, iid)
-
-
-class PerWorkerDatasetIterator(PerWorkerValues):
-    """One iterator per worker (TF's per-worker iterator ``PerWorkerValues``)."""
-
-    def __init__(self, coordinator: ClusterCoordinator, iid: int):
-        super().__init__(())
-        self._coordinator = coordinator
-        self._iid = iid
-
-    def __next__(self):
-        raise RuntimeError("a per-worker iterator is advanced inside a scheduled function, on the worker: "
-                           "coordinator.schedule(lambda it: next(it), args=(iterator,))")
-
-    def __repr__(self) -> str:
-        return f"PerWorkerDatasetIterator(id={self._iid})"
 
 
 class _WorkerHandle:
@@ -96,14 +79,15 @@ class _WorkerHandle:
                 self.client.close()             # frozen or dead: wait for the task to come back
                 q.set_live(self.index, False)
                 self.c._worker_lost_at(self.index)
-            if self.client is None or self.client.broken:
+            client = self.client
+            if client is None or client.broken:
                 if not self._connect():
                     time.sleep(0.5)
-                    continue
+                continue                        # connected: the next pass takes a closure
             closure = q.get(self.index)
             if closure is None:
                 continue
-            self._process(closure)
+            self._process(closure, client)
 
     def _connect(self) -> bool:
         s = self.c.strategy
@@ -128,7 +112,7 @@ class _WorkerHandle:
         self.c._queue.set_live(self.index, True)
         return True
 
-    def _process(self, closure: _Closure) -> None:
+    def _process(self, closure: _Closure, client: RpcClient) -> None:
         q = self.c._queue
         try:
             header = {
@@ -142,13 +126,13 @@ class _WorkerHandle:
             q.mark_failed(exc)
             return
         try:
-            reply, _ = self.client.call(header, timeout=None, abort=self.lost)
+            reply, _ = client.call(header, timeout=None, abort=self.lost)
         except (UnavailableError, DeadlineExceededError, CancelledError) as exc:
             if self.c._stopped:
                 closure.mark_cancelled()
                 return
             log.warning("worker:%d failed while running a closure (%s); the closure is re-queued", self.index, exc)
-            self.client.close()
+            client.close()
             q.set_live(self.index, False)
             self.c._worker_lost_at(self.index)
             q.put_back(closure)
@@ -213,8 +197,6 @@ class ClusterCoordinator:
     def __init__(self, strategy):
         if getattr(self, "_initialized", False):
             return
-        from torchstrategies.strategies.parameter_server.strategy import ParameterServerStrategy
-
         if not isinstance(strategy, ParameterServerStrategy):
             raise ValueError(f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}")
         self._initialized = True
@@ -281,17 +263,13 @@ class ClusterCoordinator:
         ``per_worker_input.PerWorkerInputContext``). ``dataset_fn`` may also be an iterable, which is sent
         to the workers as it is.
         """
-        import cloudpickle
-
-        from torchstrategies.strategies.parameter_server.per_worker_input import DatasetFnWithInputContext
-
-        fn = DatasetFnWithInputContext(dataset_fn) if callable(dataset_fn) else _Const(dataset_fn)
         reg = self._registry
-        did = reg.new_id()
-        reg.dataset_blobs[did] = cloudpickle.dumps(fn)
-        return PerWorkerDataset(self, did)
+        return PerWorkerDataset(reg, reg.new_dataset(cloudpickle.dumps(dataset_fn_for_workers(dataset_fn))))
 
-    def fetch(self, val: Any) -> Any:
+    def __reduce__(self):
+        raise ValueError("a scheduled function cannot use the ClusterCoordinator (it runs on a worker)")
+
+    def fetch(self, val: object) -> Any:
         """``RemoteValue.fetch()`` applied to every RemoteValue in a (nested) structure."""
         if isinstance(val, RemoteValue):
             return val.fetch()
@@ -320,15 +298,27 @@ class ClusterCoordinator:
         if self._queue.fatal is not None:
             raise UnavailableError(self._queue.fatal)
 
+    # ---- what the strategy tells its coordinator (strategy.CoordinatorHooks) --------------------------
     def _worker_unresponsive(self, index: int) -> None:
         """The heartbeat found worker ``index`` dead or frozen: abandon its closure (it is re-queued)."""
         self._workers[index].lost.set()
 
+    def _ps_failed(self, message: str) -> None:
+        """A ps is gone: ``schedule``/``join``/``done`` raise UnavailableError(message) from now on."""
+        self._queue.set_fatal(message)
+
     def _stop(self) -> None:
+        """Stops scheduling: queued closures are cancelled, in-flight calls abandoned."""
         self._stopped = True
         self._queue.stop()
         for w in self._workers:
             w.lost.set()
+
+    def _close_clients(self) -> None:
+        """Closes every worker's channel (after the strategy shut the tasks down)."""
+        for w in self._workers:
+            if w.client is not None:
+                w.client.close()
 
     def traffic(self) -> dict[str, int]:
         """Bytes the workers pulled from and pushed to the ps so far, and closures run."""
@@ -337,11 +327,3 @@ class ClusterCoordinator:
             "pushed_bytes": sum(w.pushed_bytes for w in self._workers),
             "closures": sum(w.closures_run for w in self._workers),
         }
-
-
-class _Const:
-    def __init__(self, value):
-        self.value = value
-
-    def __call__(self):
-        return self.value

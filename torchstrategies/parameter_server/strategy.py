@@ -10,26 +10,42 @@ which pull parameters, compute gradients and push them; the ps apply them with t
 from __future__ import annotations
 
 import atexit
+import datetime
 import functools
 import logging
 import threading
 import time
 import weakref
+from typing import Protocol
 
 import torch
 
 from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.errors import DeadlineExceededError, UnavailableError
-from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-from torchstrategies.strategies.parameter_server.base import ParameterServerExtended
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.registry import Registry
-from torchstrategies.strategies.parameter_server.rendezvous import EntryReader, connect_store, entry_key
-from torchstrategies.strategies.parameter_server.transport import RemoteError
+from torchstrategies.parameter_server.base import ParameterServerExtended
+from torchstrategies.parameter_server.registry import Registry
+from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+from torchstrategies.parameter_server.rpc.client import RpcClient
+from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, connect_store, entry_key
+from torchstrategies.parameter_server.rpc.transport import RemoteError
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("torchstrategies.parameter_server")
+
+
+class CoordinatorHooks(Protocol):
+    """What the strategy tells its :class:`~torchstrategies.coordinator.ClusterCoordinator` (which registers
+    itself as ``strategy._cluster_coordinator``): the strategy never imports the coordinator it serves."""
+
+    def _worker_unresponsive(self, index: int) -> None: ...
+
+    def _ps_failed(self, message: str) -> None: ...
+
+    def _stop(self) -> None: ...
+
+    def _close_clients(self) -> None: ...
+
 
 class ParameterServerStrategy(Strategy):
     """Asynchronous training with parameters on parameter servers (``tf.distribute.ParameterServerStrategy``).
@@ -71,6 +87,44 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, cluster_resolver, variable_partitioner=None, *, max_staleness: int | None = None,
                  timeout: float = 60.0, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float | None = None):
+        self._check_arguments(cluster_resolver, variable_partitioner, max_staleness)
+        self._cluster_resolver = cluster_resolver
+        self._variable_partitioner = variable_partitioner
+        self._max_staleness = max_staleness
+        self._timeout = float(timeout)
+        self._heartbeat_interval = float(heartbeat_interval)
+        self._heartbeat_timeout = float(min(self._timeout, 10.0) if heartbeat_timeout is None
+                                        else heartbeat_timeout)
+        if self._heartbeat_timeout <= 0 or self._heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval and heartbeat_timeout must be > 0, got "
+                             f"{heartbeat_interval!r} and {heartbeat_timeout!r}")
+        self._auth = JobAuth.from_env()
+        self._hb_inflight: set[tuple[str, int]] = set()
+        self._replacing: set[int] = set()
+        self._hb_lock = threading.Lock()
+        self._fatal: str | None = None
+        self._closed = False
+        self._cluster_coordinator: CoordinatorHooks | None = None
+        self._store = connect_store(cluster_resolver.master_addr, cluster_resolver.master_port, True,
+                                    cluster_resolver.world_size, self._timeout)
+        self._entries = EntryReader(self._store, self._auth)
+        self._wait_for_tasks()
+        self._connect_tasks()
+        self._registry = Registry(self, self._num_ps, self._ps_call, variable_partitioner)
+        super().__init__(ParameterServerExtended(self))
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat", daemon=True)
+        self._hb_thread.start()
+        ref = weakref.ref(self)
+
+        def shutdown_at_exit() -> None:
+            strategy = ref()
+            if strategy is not None:
+                strategy.shutdown()
+
+        atexit.register(shutdown_at_exit)
+
+    def _check_arguments(self, cluster_resolver, variable_partitioner, max_staleness) -> None:
+        """Sets the cluster's sizes; raises ValueError for a task that is not the chief or a bad argument."""
         spec = cluster_resolver.cluster_spec()
         if cluster_resolver.task_type != "chief":
             raise ValueError(
@@ -89,27 +143,9 @@ class ParameterServerStrategy(Strategy):
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise ValueError(f"variable_partitioner must be callable (shape, dtype) -> list, got "
                              f"{variable_partitioner!r}")
-        self._cluster_resolver = cluster_resolver
-        self._variable_partitioner = variable_partitioner
-        self._max_staleness = max_staleness
-        self._timeout = float(timeout)
-        self._heartbeat_interval = float(heartbeat_interval)
-        self._heartbeat_timeout = float(min(self._timeout, 10.0) if heartbeat_timeout is None
-                                        else heartbeat_timeout)
-        if self._heartbeat_timeout <= 0 or self._heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval and heartbeat_timeout must be > 0, got "
-                             f"{heartbeat_interval!r} and {heartbeat_timeout!r}")
-        self._auth = JobAuth.from_env()
-        self._hb_inflight: set[tuple[str, int]] = set()
-        self._replacing: set[int] = set()
-        self._hb_lock = threading.Lock()
-        self._fatal: str | None = None
-        self._closed = False
-        self._cluster_coordinator = None
-        self._store = connect_store(cluster_resolver.master_addr, cluster_resolver.master_port, True,
-                                    cluster_resolver.world_size, self._timeout)
-        self._entries = EntryReader(self._store, self._auth)
-        self._wait_for_tasks()
+
+    def _connect_tasks(self) -> None:
+        """Opens a data and a control (watched) channel to every ps, a control channel to every worker."""
         self._ps_clients: list[RpcClient] = []
         self._control: dict[tuple[str, int], RpcClient] = {}
         ps_instances = []
@@ -125,12 +161,6 @@ class ParameterServerStrategy(Strategy):
             address, instance = self._server_address("worker", i)
             self._control[("worker", i)] = self._hello(address, f"worker:{i}", instance, watch=True)
             self._instances[i] = instance
-        self._registry = Registry(self, self._num_ps, self._ps_call, variable_partitioner)
-        super().__init__(ParameterServerExtended(self))
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat", daemon=True)
-        self._hb_thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
 
     @property
     def variable_partitioner(self):
@@ -161,9 +191,7 @@ class ParameterServerStrategy(Strategy):
         for c in self._ps_clients:
             c.close()
         if self._cluster_coordinator is not None:
-            for w in self._cluster_coordinator._workers:
-                if w.client is not None:
-                    w.client.close()
+            self._cluster_coordinator._close_clients()
 
     # ---- extensions used by tests, the bench and the docs --------------------------------------
     def parameter_locations(self, param: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -182,8 +210,6 @@ class ParameterServerStrategy(Strategy):
 
     # ---- internals -----------------------------------------------------------------------------
     def _wait_for_tasks(self) -> None:
-        import datetime
-
         keys = [entry_key("ps", i) for i in range(self._num_ps)]
         keys += [entry_key("worker", i) for i in range(self._num_workers)]
         try:
@@ -238,7 +264,7 @@ class ParameterServerStrategy(Strategy):
             self._fatal = message
             log.error("%s", message)
         if self._cluster_coordinator is not None:
-            self._cluster_coordinator._queue.set_fatal(self._fatal)
+            self._cluster_coordinator._ps_failed(self._fatal)
 
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval``: one heartbeat per task, all in flight at once, each with its own

@@ -14,6 +14,7 @@ header field travel in the :mod:`wire` schema.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import threading
@@ -57,26 +58,17 @@ class ParameterStore:
                 self.sparse[key] = bool(sparse)
         return {}, []
 
-    def _op_assign(self, h: dict, tensors: list[torch.Tensor]):
+    def _update(self, h: dict, tensors: list[torch.Tensor], how) -> tuple[dict, list]:
+        """``how(shard, value)`` for each key under the lock (an assignment, addition or subtraction)."""
         with self.lock:
             for key, t in zip(h["keys"], tensors):
-                self._var(key).data.copy_(t)
+                how(self._var(key).data, t)
             self.version += 1
         return {"version": self.version}, []
 
-    def _op_assign_add(self, h: dict, tensors: list[torch.Tensor]):
-        with self.lock:
-            for key, t in zip(h["keys"], tensors):
-                self._var(key).data.add_(t)
-            self.version += 1
-        return {"version": self.version}, []
-
-    def _op_assign_sub(self, h: dict, tensors: list[torch.Tensor]):
-        with self.lock:
-            for key, t in zip(h["keys"], tensors):
-                self._var(key).data.sub_(t)
-            self.version += 1
-        return {"version": self.version}, []
+    _op_assign = functools.partialmethod(_update, how=torch.Tensor.copy_)
+    _op_assign_add = functools.partialmethod(_update, how=torch.Tensor.add_)
+    _op_assign_sub = functools.partialmethod(_update, how=torch.Tensor.sub_)
 
     def _op_pull(self, h: dict, encode):
         with self.lock:  # encoded here, under the lock: one copy of the values, never a torn one

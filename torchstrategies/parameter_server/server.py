@@ -24,16 +24,18 @@ Example (the same script runs on every task; torchrun ranks: 0 chief, 1..num_ps 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
-from typing import Any
 
+from torchstrategies.cluster_resolver import ClusterResolver
 from torchstrategies.errors import UnavailableError
-from torchstrategies.strategies.parameter_server.auth import CHIEF, JobAuth
-from torchstrategies.strategies.parameter_server.ps_service import ParameterStore
-from torchstrategies.strategies.parameter_server.rendezvous import connect_store, local_address, publish
-from torchstrategies.strategies.parameter_server.transport import RpcServer
+from torchstrategies.parameter_server.ps_service import ParameterStore
+from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
+from torchstrategies.parameter_server.rpc.rendezvous import connect_store, local_address, publish
+from torchstrategies.parameter_server.rpc.transport import RpcServer
+from torchstrategies.parameter_server.worker_runtime import WorkerRuntime
 
 __all__ = ["Server"]
 
@@ -55,7 +57,7 @@ class Server:
 
     Raises:
         ValueError: the resolver's task is not a "ps" or "worker", or the job has no credentials (see
-            :mod:`~torchstrategies.strategies.parameter_server.auth`).
+            :mod:`~torchstrategies.parameter_server.rpc.auth`).
 
     Example:
         >>> resolver = ts.cluster_resolver.TorchrunClusterResolver(num_ps=1)   # doctest: +SKIP
@@ -84,13 +86,11 @@ class Server:
         self._lock = threading.Lock()
         self._rpc: RpcServer | None = None
         self.auth = JobAuth.from_env()
+        self.params: ParameterStore | None = None     # a ps task's shards and optimizers
+        self._runtime: WorkerRuntime | None = None    # a worker task's closures
         if task_type == "ps":
             self.params = ParameterStore()
-            self._runtime = None
         else:
-            from torchstrategies.strategies.parameter_server.worker_runtime import WorkerRuntime
-
-            self.params = None
             self._runtime = WorkerRuntime(self)
         if start:
             self.start()
@@ -162,7 +162,9 @@ class Server:
             return {}, []
         if self.params is not None:
             return self.params.handle(header, tensors, encode)
-        return self._runtime.handle(header, tensors)
+        if self._runtime is not None:
+            return self._runtime.handle(header, tensors)
+        raise ValueError(f"{self.task_type}:{self.task_id}: unknown request {op!r}")
 
     def _on_watch_end(self, role: str) -> None:
         """Runs on a gRPC thread when a Watch stream ends: must not block."""
@@ -178,10 +180,8 @@ class Server:
         self._done.set()
 
 
-def _bind_host(resolver: Any, task_type: str, task_id: int) -> str:
+def _bind_host(resolver: ClusterResolver, task_type: str, task_id: int) -> str:
     """The host this task's server binds: its cluster-spec entry, else its address towards the rendezvous."""
-    import os
-
     override = os.environ.get("TORCHSTRATEGIES_PS_HOST")
     if override:
         return override

@@ -18,45 +18,30 @@ buffers, parameters as placeholders), and:
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import io
 import logging
 import pickle
-import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.nn.functional as F
 
-from torchstrategies.errors import CancelledError, UnavailableError
-from torchstrategies.strategies.parameter_server.auth import TASK
-from torchstrategies.strategies.parameter_server.client import RpcClient
-from torchstrategies.strategies.parameter_server.specs import VarSpec, split_rows
-from torchstrategies.strategies.parameter_server.transport import RemoteError, call_abandoned
+from torchstrategies.errors import CancelledError
+from torchstrategies.parameter_server.per_worker_input import PerWorkerInputContext
+from torchstrategies.parameter_server.remote_value import map_tensors
+from torchstrategies.parameter_server.rpc.transport import call_abandoned
+from torchstrategies.parameter_server.specs import VarSpec, split_rows
+from torchstrategies.parameter_server.variables import PSVariable
+from torchstrategies.parameter_server.worker_channels import PsChannels
 
-__all__ = ["WorkerRuntime", "WorkerOptimizer", "WorkerInputContext"]
+__all__ = ["JobDefinitions", "WorkerOptimizer", "WorkerRuntime"]
 
 log = logging.getLogger("torchstrategies.parameter_server")
-
-
-class WorkerInputContext:
-    """What a per-worker ``dataset_fn(input_context)`` is told (the fields of ``tf.distribute.InputContext``)."""
-
-    def __init__(self, num_input_pipelines: int, input_pipeline_id: int, num_replicas_in_sync: int = 1):
-        self.num_input_pipelines = num_input_pipelines
-        self.input_pipeline_id = input_pipeline_id
-        self.num_replicas_in_sync = num_replicas_in_sync
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(f"the global batch size {global_batch_size} is not divisible by "
-                             f"num_replicas_in_sync {self.num_replicas_in_sync}")
-        return global_batch_size // self.num_replicas_in_sync
-
-    def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
-                f"input_pipeline_id={self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
 class _WorkerStrategyView:
@@ -66,8 +51,6 @@ class _WorkerStrategyView:
     cluster_resolver = None
 
     def scope(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def run(self, fn, args=(), kwargs=None):
@@ -182,28 +165,47 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
+@dataclass
+class JobDefinitions:
+    """What the chief has sent this worker about the job, by id (``Registry.defs_for`` sends each once per
+    connection): where each variable's shards live, each module's pickled structure and the variables it
+    holds, each optimizer's param groups, each per-worker dataset's pickled ``dataset_fn`` and the dataset
+    of each iterator. The objects built from them live in :class:`WorkerRuntime`."""
+
+    specs: dict[int, VarSpec] = field(default_factory=dict)
+    module_blobs: dict[int, bytes] = field(default_factory=dict)
+    module_vars: dict[int, list[int]] = field(default_factory=dict)
+    optimizers: dict[int, list[tuple[dict, list[int]]]] = field(default_factory=dict)
+    dataset_fns: dict[int, bytes] = field(default_factory=dict)
+    iter_datasets: dict[int, int] = field(default_factory=dict)
+
+    def install(self, defs: dict) -> None:
+        """Adds the definitions of one ``exec`` request (see ``Registry.defs_for`` for its keys)."""
+        for spec in defs.get("vars", ()):
+            self.specs[spec.var_id] = spec
+        self.module_blobs.update(defs.get("modules", {}))
+        self.module_vars.update(defs.get("module_vars", {}))
+        self.optimizers.update(defs.get("optimizers", {}))
+        self.dataset_fns.update(defs.get("datasets", {}))
+        self.iter_datasets.update(defs.get("iters", {}))
+
+
 class WorkerRuntime:
-    """State of one worker task: ps connections, module replicas, iterators, and the current closure."""
+    """State of one worker task: what the chief sent (:class:`JobDefinitions`), the objects built from it
+(parameters, module replicas, optimizers, variables, iterators), the current closure's parameters, and
+the channels to the ps tasks (:class:`PsChannels`)."""
 
     def __init__(self, server):
-        self.server = server
         self.worker_index = server.task_id
         self.num_workers = 1
-        self.timeout = server.timeout
-        self.ps_addresses: list[tuple[str, str]] = []  # (address, instance) per ps, from the chief
-        self._clients: dict[int, RpcClient] = {}
-        self._clients_lock = threading.Lock()
-        self.specs: dict[int, VarSpec] = {}
+        self.ps = PsChannels(server.auth, server.timeout)
+        self.defs = JobDefinitions()
+        self.specs = self.defs.specs          # read on every pull and push
         self.params: dict[int, torch.nn.Parameter] = {}
-        self._module_blobs: dict[int, bytes] = {}
         self._modules: dict[int, torch.nn.Module] = {}
-        self._module_vars: dict[int, list[int]] = {}
-        self._opt_defs: dict[int, list[tuple[dict, list[int]]]] = {}
         self._optimizers: dict[int, WorkerOptimizer] = {}
-        self._variables: dict[int, Any] = {}
-        self._dataset_fns: dict[int, bytes] = {}
-        self._iter_defs: dict[int, int] = {}
-        self._iterators: dict[int, Any] = {}
+        self._variables: dict[int, PSVariable] = {}
+        self._iterators: dict[int, Iterator[object]] = {}
         self.active: set[int] = set()
         self.stale: set[int] = set()
         self._seen_version: dict[int, int] = {}
@@ -215,36 +217,22 @@ class WorkerRuntime:
     def handle(self, header: dict, tensors) -> tuple[dict, list]:
         op = header["op"]
         if op == "setup":
-            self.ps_addresses = [(str(a), str(i)) for a, i in header["ps"]]
             self.worker_index = header["worker_index"]
             self.num_workers = header["num_workers"]
-            self.timeout = header.get("timeout", self.timeout)
+            self.ps.setup([(str(a), str(i)) for a, i in header["ps"]], self.worker_index,
+                          header.get("timeout", self.ps.timeout))
             return {}, []
         if op == "exec":
             return self._exec(header), []
         raise ValueError(f"worker: unknown request {op!r}")
 
     def close(self) -> None:
-        with self._clients_lock:
-            for c in self._clients.values():
-                c.close()
-            self._clients.clear()
-
-    def _install(self, defs: dict) -> None:
-        for spec in defs.get("vars", ()):
-            self.specs[spec.var_id] = spec
-        self._module_blobs.update(defs.get("modules", {}))
-        self._module_vars.update(defs.get("module_vars", {}))
-        self._opt_defs.update(defs.get("optimizers", {}))
-        self._dataset_fns.update(defs.get("datasets", {}))
-        self._iter_defs.update(defs.get("iters", {}))
+        self.ps.close()
 
     def _exec(self, header: dict) -> dict:
         """Runs one closure. Exec is a chief-only method: the interceptor checked the caller's credentials
         before the request was read, so these pickles come from the authenticated chief."""
-        import cloudpickle
-
-        self._install(pickle.loads(header["defs"]) if header.get("defs") else {})
+        self.defs.install(pickle.loads(header["defs"]) if header.get("defs") else {})
         self.active = set()
         try:
             pwv = [_Unpickler(b, self).load() for b in header.get("pwv", [])]
@@ -252,7 +240,7 @@ class WorkerRuntime:
             self.pull(self.active)
             result = fn(*args, **kwargs)
             self._write_back_assignments()
-            blob = cloudpickle.dumps(_detach(result))
+            blob = cloudpickle.dumps(map_tensors(torch.Tensor.detach, result))
         except BaseException as exc:
             try:                  # the chief re-raises the closure's own exception (it trusts its workers)
                 exc._ts_reply_extra = {"exc": _dumps_exception(exc)}  # type: ignore[attr-defined]
@@ -272,93 +260,46 @@ class WorkerRuntime:
             self.params[vid] = p
         return p
 
-    def variable(self, vid: int):
-        from torchstrategies.strategies.parameter_server.variables import PSVariable
-
+    def variable(self, vid: int) -> PSVariable:
         var = self._variables.get(vid)
         if var is None:
-            var = PSVariable(self.call_ps, self.specs[vid])
+            var = PSVariable(self.ps.call, self.specs[vid])
             self._variables[vid] = var
         return var
 
     def module(self, mid: int) -> torch.nn.Module:
         m = self._modules.get(mid)
         if m is None:
-            m = _Unpickler(self._module_blobs[mid], self).load()
-            var_of = {id(self.params[v]): v for v in self._module_vars.get(mid, []) if v in self.params}
+            m = _Unpickler(self.defs.module_blobs[mid], self).load()
+            var_of = {id(self.params[v]): v for v in self.defs.module_vars.get(mid, []) if v in self.params}
             for sub in m.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
                     sub.register_forward_pre_hook(self._fresh_hook)
                 if isinstance(sub, torch.nn.Embedding):
                     vid = var_of.get(id(sub.weight))
                     if vid is not None and self.specs[vid].row_path:
-                        sub.forward = _RowLookup(self, sub, vid)
+                        sub.forward = _RowLookup(self, sub, vid)  # type: ignore[method-assign]  # this replica only
             self._modules[mid] = m
-        self.active.update(self._module_vars.get(mid, []))
+        self.active.update(self.defs.module_vars.get(mid, []))
         return m
 
     def optimizer(self, oid: int) -> WorkerOptimizer:
         opt = self._optimizers.get(oid)
         if opt is None:
-            opt = WorkerOptimizer(self, oid, self._opt_defs[oid])
+            opt = WorkerOptimizer(self, oid, self.defs.optimizers[oid])
             self._optimizers[oid] = opt
-        self.active.update(v for _, vids in self._opt_defs[oid] for v in vids)
+        self.active.update(v for _, vids in self.defs.optimizers[oid] for v in vids)
         return opt
 
     def iterator(self, iid: int):
         it = self._iterators.get(iid)
         if it is None:
-            fn = pickle.loads(self._dataset_fns[self._iter_defs[iid]])
-            ctx = WorkerInputContext(self.num_workers, self.worker_index)
-            dataset = fn(ctx) if _takes_argument(fn) else fn()
-            it = iter(dataset)
+            fn = pickle.loads(self.defs.dataset_fns[self.defs.iter_datasets[iid]])
+            it = iter(fn(PerWorkerInputContext(self.worker_index, self.num_workers)))
             self._iterators[iid] = it
         return it
 
     # ---- ps traffic ------------------------------------------------------------------------------
-    def _client(self, ps: int) -> RpcClient:
-        with self._clients_lock:
-            c = self._clients.get(ps)
-            if c is None or c.broken:
-                if c is not None and c.broken:
-                    raise UnavailableError(f"ps:{ps} is unavailable (an earlier request failed)")
-                if ps >= len(self.ps_addresses):
-                    raise UnavailableError(f"worker {self.worker_index} was not told where ps:{ps} is")
-                address, instance = self.ps_addresses[ps]
-                c = RpcClient(address, f"ps:{ps}", self.timeout, self.server.auth, TASK, instance=instance,
-                              hello={"op": "hello"})
-                self._clients[ps] = c
-            return c
-
-    def call_ps(self, ps: int, header: dict, tensors=None):
-        client = self._client(ps)
-        try:
-            return client.call(header, tensors)
-        except RemoteError as e:
-            raise e.exc from None
-
-    def _fan_out(self, requests: dict[int, tuple[dict, list]]) -> dict[int, tuple[dict, list]]:
-        """Sends one request per ps, in parallel when there are several."""
-        if len(requests) <= 1:
-            return {ps: self.call_ps(ps, h, t) for ps, (h, t) in requests.items()}
-        results: dict[int, Any] = {}
-        errors: list[BaseException] = []
-
-        def run(ps, h, t):
-            try:
-                results[ps] = self.call_ps(ps, h, t)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(ps, h, t)) for ps, (h, t) in requests.items()]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
-
     def pull(self, vids) -> None:
         dense = [v for v in vids if not self.specs[v].row_path]
         if not dense:
@@ -367,7 +308,7 @@ class WorkerRuntime:
         for v in dense:
             for i, sh in enumerate(self.specs[v].shards):
                 by_ps[sh.ps].append((v, i, sh.key))
-        replies = self._fan_out({ps: ({"op": "pull", "keys": [k for _, _, k in items]}, [])
+        replies = self.ps.fan_out({ps: ({"op": "pull", "keys": [k for _, _, k in items]}, [])
                                  for ps, items in by_ps.items()})
         parts: dict[tuple[int, int], torch.Tensor] = {}
         for ps, items in by_ps.items():
@@ -393,7 +334,7 @@ class WorkerRuntime:
         by_ps: dict[int, list] = defaultdict(list)
         for shard, pos, local in split_rows(spec, ids):
             by_ps[shard.ps].append((shard.key, pos, local))
-        replies = self._fan_out({ps: ({"op": "pull_rows", "keys": [k for k, _, _ in items]},
+        replies = self.ps.fan_out({ps: ({"op": "pull_rows", "keys": [k for k, _, _ in items]},
                                       [local for _, _, local in items]) for ps, items in by_ps.items()})
         out = torch.empty((ids.numel(), *spec.shape[1:]), dtype=spec.dtype)
         for ps, items in by_ps.items():
@@ -435,8 +376,8 @@ class WorkerRuntime:
                 ids = torch.cat([r[0] for r in recs])
                 vals = torch.cat([r[1] for r in recs])
                 if len(recs) > 1:
-                    g = torch.sparse_coo_tensor(ids.unsqueeze(0), vals, spec.shape).coalesce()
-                    ids, vals = g.indices()[0], g.values()
+                    merged = torch.sparse_coo_tensor(ids.unsqueeze(0), vals, spec.shape).coalesce()
+                    ids, vals = merged.indices()[0], merged.values()
                 add_rows(spec, ids, vals)
                 continue
             p = self.param(v)
@@ -453,7 +394,7 @@ class WorkerRuntime:
                 for sh in spec.shards:
                     add(sh.ps, sh.key, "dense", [g[sh.start:sh.stop]])
         if requests:
-            self._fan_out(requests)
+            self.ps.fan_out(requests)
         self.stale.update(stepped_dense)
 
     def _write_back_assignments(self) -> None:
@@ -471,32 +412,10 @@ class WorkerRuntime:
                 h["keys"].append(sh.key)
                 ts.append(p.detach()[sh.start:sh.stop] if spec.sharded else p.detach())
             self._seen_version[v] = p._version
-        self._fan_out(by_ps)
+        self.ps.fan_out(by_ps)
 
 
 def _dumps_exception(exc: BaseException) -> bytes:
-    import cloudpickle
-
     blob = cloudpickle.dumps(exc)
     pickle.loads(blob)  # make sure it round-trips here, not on the other side
     return blob
-
-
-def _takes_argument(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
-
-
-def _detach(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_detach(x) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    return obj
