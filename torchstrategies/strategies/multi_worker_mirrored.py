@@ -52,7 +52,14 @@ from torchstrategies.cluster_resolver import (
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
-from torchstrategies.distribute.values import DistributedValues, local_results
+from torchstrategies.distribute.input_lib import DistributedDataset, InputOptions
+from torchstrategies.distribute.values import (
+    Destinations,
+    DistributedValues,
+    Mirrored,
+    Reducible,
+    local_results,
+)
 from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._grad_sync import (
@@ -367,12 +374,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """Returns when every worker has called it; a dead or hung worker raises a named error."""
         self._guard(self._cross_device_ops.barrier, "barrier")
 
-    def _reduce_to(self, op: ReduceOp, value: object, destinations: object,
-                   options: CommunicationOptions | None) -> object:
+    def _reduce_to(self, op: ReduceOp, value: Reducible, destinations: Destinations | None,
+                   options: CommunicationOptions | None) -> torch.Tensor | Mirrored[torch.Tensor]:
         return self._batch_reduce_to(op, [(value, destinations)], options)[0]
 
-    def _batch_reduce_to(self, op: ReduceOp, pairs: list[tuple[object, object]],
-                         options: CommunicationOptions | None) -> list[object]:
+    def _batch_reduce_to(self, op: ReduceOp, pairs: Sequence[tuple[Reducible, Destinations | None]],
+                         options: CommunicationOptions | None) -> list[torch.Tensor | Mirrored[torch.Tensor]]:
         tensors = []
         for v, _ in pairs:
             comps = local_results(v) if isinstance(v, DistributedValues) else (v,)
@@ -383,8 +390,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         reduced = self.all_reduce_tensors(op, tensors, options)
         return [self._to_destinations(r, self._destination_devices(d)) for r, (_, d) in zip(reduced, pairs)]
 
-    def _gather_to(self, value: object, destinations: object, axis: int,
-                   options: CommunicationOptions | None) -> object:
+    def _gather_to(self, value: Reducible, destinations: Destinations | None, axis: int,
+                   options: CommunicationOptions | None) -> torch.Tensor | Mirrored[torch.Tensor]:
         comps = local_results(value) if isinstance(value, DistributedValues) else (value,)
         t = torch.as_tensor(comps[0])
         if t.dim() == 0:
@@ -406,7 +413,9 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self.broadcast_tensors([seed], src=0)
         return int(seed.item())
 
-    def _experimental_distribute_dataset(self, dataset: Iterable[object], options: object) -> object:
+    def _experimental_distribute_dataset(  # type: ignore[override]  # the base promises DistributedDataset
+        self, dataset: Iterable[object], options: InputOptions | None
+    ) -> WorkerShardedDataset | DistributedDataset:
         if is_map_style_loader(dataset):
             gen = getattr(dataset, "generator", None)
             seed = int(gen.initial_seed()) if gen is not None else self._shared_seed()
