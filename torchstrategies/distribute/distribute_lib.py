@@ -118,7 +118,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchstrategies.cluster_resolver import ClusterResolver
     from torchstrategies.collectives.options import CommunicationOptions
     from torchstrategies.distribute.input_lib import (
-        DistributedDataset,
         DistributedDatasetsFromFunction,
         InputContext,
         InputOptions,
@@ -456,8 +455,11 @@ class Strategy:
     # -- input ------------------------------------------------------------------------------------
     def experimental_distribute_dataset(
         self, dataset: Iterable[object], options: InputOptions | None = None
-    ) -> DistributedDataset:
-        """Splits each global batch of ``dataset`` along dim 0 across the replicas (TF's rules)."""
+    ) -> Iterable[Any]:
+        """Splits each global batch of ``dataset`` along dim 0 across the replicas (TF's rules).
+
+        A ``DistributedDataset`` here; a strategy may return its own iterable (MultiWorkerMirrored gives a
+        map-style DataLoader a ``WorkerShardedDataset``)."""
         return self._extended._experimental_distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(
@@ -735,7 +737,7 @@ class StrategyExtended:
 
     def _experimental_distribute_dataset(
         self, dataset: Iterable[object], options: InputOptions | None
-    ) -> DistributedDataset:
+    ) -> Iterable[Any]:
         from torchstrategies.distribute.input_lib import DistributedDataset
 
         return DistributedDataset(self._container_strategy(), dataset, options)

@@ -35,7 +35,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from torchstrategies.cluster_resolver import (
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
-from torchstrategies.distribute.input_lib import DistributedDataset, InputOptions
+from torchstrategies.distribute.input_lib import InputOptions
 from torchstrategies.distribute.values import (
     Destinations,
     DistributedValues,
@@ -413,9 +413,9 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self.broadcast_tensors([seed], src=0)
         return int(seed.item())
 
-    def _experimental_distribute_dataset(  # type: ignore[override]  # the base promises DistributedDataset
+    def _experimental_distribute_dataset(
         self, dataset: Iterable[object], options: InputOptions | None
-    ) -> WorkerShardedDataset | DistributedDataset:
+    ) -> Iterable[Any]:
         if is_map_style_loader(dataset):
             gen = getattr(dataset, "generator", None)
             seed = int(gen.initial_seed()) if gen is not None else self._shared_seed()
