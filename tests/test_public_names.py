@@ -7,11 +7,11 @@ shell and text blocks and in the examples (``ts.coordinator.ClusterCoordinator``
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
 import pytest
+from test_docs import _available
 
 ROOT = Path(__file__).resolve().parents[1]
 _FROM = re.compile(r"from\s+(torchstrategies(?:\.\w+)*)\s+import\s+(\([^)]*\)|[\w ,]+)")
@@ -26,22 +26,6 @@ _NOT_NAMES = {"torchstrategies.example": "a logger name in docs/logging.md's log
 def _sources() -> list[Path]:
     docs = sorted((ROOT / "docs").glob("**/*.md"))
     return [ROOT / "README.md", *docs, *sorted((ROOT / "examples").glob("**/*.py"))]
-
-
-def _resolve(dotted: str) -> None:
-    """Import the longest importable module prefix of ``dotted`` and look the rest up as attributes."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
-            continue
-        for i, attr in enumerate(parts[cut:], cut):
-            if not hasattr(obj, attr):
-                raise AssertionError(f"{'.'.join(parts[:i])} has no attribute {attr!r} ({dotted})")
-            obj = getattr(obj, attr)
-        return
-    raise AssertionError(f"no module of {dotted!r} imports")
 
 
 def _names(text: str) -> set[str]:
@@ -64,7 +48,7 @@ def _cases() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name,where", _cases())
 def test_name_used_in_docs_resolves(name: str, where: str) -> None:
-    _resolve(name)
+    assert _available(name), f"{where} names {name}, which is no module of torchstrategies nor an attribute of one"
 
 
 def test_the_scan_finds_the_public_names() -> None:
