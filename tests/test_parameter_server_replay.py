@@ -178,7 +178,7 @@ def _capture_then_replay(strategy, capture, runs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     time.sleep(1.0)  # a replayed request the servers accepted would have been applied by now
     return {"before": before, "after": state(), "replay": _result(proc.stdout),
-            "targets": {"ps:0": strategy._ps_addresses[0], "worker:0": strategy._control[("worker", 0)].address}}
+            "targets": {"ps:0": strategy._ps_addresses[0], "worker:0": strategy._workers[0].latest.address}}
 
 
 @pytest.mark.timeout(300)

@@ -79,8 +79,8 @@ def _chief(strategy, pid_dir, marker):
     coordinator.join()
     pids = {n: int(open(os.path.join(pid_dir, n)).read()) for n in ("ps0", "worker0")}
     rss_before = {n: psutil.Process(p).memory_info().rss for n, p in pids.items()}
-    targets = {"ps:0": strategy._ps_addresses[0], "worker:0": strategy._control[("worker", 0)].address}
-    instances = {"ps:0": strategy._ps_entries[0][1], "worker:0": strategy._instances[0]}
+    targets = {"ps:0": strategy._ps_addresses[0], "worker:0": strategy._workers[0].latest.address}
+    instances = {"ps:0": strategy._ps_entries[0][1], "worker:0": strategy._workers[0].latest.instance}
     auth = strategy._auth
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHSTRATEGIES_PS_SECRET")}
     creds = {name: _credentials(address, name, instances[name], auth) for name, address in targets.items()}
@@ -234,6 +234,25 @@ def test_job_auth_signatures_and_missing_credentials(monkeypatch):
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET_FILE", raising=False)
     with pytest.raises(ValueError, match="TORCHSTRATEGIES_PS_SECRET"):
         JobAuth.from_env()
+
+
+def test_a_secret_file_other_users_can_read_is_used_with_a_warning_naming_it_and_the_fix(monkeypatch, tmp_path):
+    import warnings
+
+    path = tmp_path / "ps_secret"
+    path.write_text(SECRET + "\n")
+    monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)
+    monkeypatch.setenv("TORCHSTRATEGIES_PS_SECRET_FILE", str(path))
+    for mode in (0o644, 0o640, 0o604):
+        path.chmod(mode)
+        with pytest.warns(UserWarning, match="accessible to other users") as caught:
+            auth = JobAuth.from_env()
+        assert str(path) in str(caught[0].message) and f"chmod 600 {path}" in str(caught[0].message)
+        assert auth.secret == SECRET.encode()
+    path.chmod(0o600)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a private file: no warning
+        assert JobAuth.from_env().secret == SECRET.encode()
 
 
 def test_handshake_proves_the_secret_and_the_instance_and_credentials_are_single_use():

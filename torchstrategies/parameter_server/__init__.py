@@ -10,6 +10,8 @@ Two layers; a module imports only from its own layer or a lower one, never back 
   ``closure_queue.py``: the queue and TF's error contract.
 * ``strategy.py``: ``ParameterServerStrategy`` on the chief: connects to every task, heartbeats, ps failures;
   it tells its coordinator what happened through ``CoordinatorHooks`` and never imports it.
+  ``worker_links.py``: ``WorkerLink``, the one record of which instance of each worker task (a restarted
+  task is a new instance) the heartbeats and the coordinator's closures go to.
   ``base.py``: the hooks into the tf.distribute core (``ParameterServerExtended``).
 * ``registry.py``: the chief's book (placement, ids of modules, optimizers, variables, datasets, iterators)
   and the closure pickler; ``closure_cache.py``: pickles a scheduled function once (it is given

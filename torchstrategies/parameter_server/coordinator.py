@@ -4,7 +4,10 @@ One thread per worker takes closures from the queue and runs them on its worker 
 channel. A worker that dies (its channel breaks) or freezes (it misses a heartbeat: no answer within the
 strategy's ``heartbeat_timeout``) has its in-flight closure put back in the queue for another worker, so a
 closure may run more than once; when the worker's task comes back (it publishes a new address), the
-coordinator reconnects to it. A ps that dies makes ``schedule``/``join``/``done`` raise
+coordinator reconnects to it. Which instance of a worker is current is the strategy's
+:class:`~torchstrategies.parameter_server.worker_links.WorkerLink`: the coordinator runs closures only on the
+instance that the link (and so the heartbeats) follows, and abandons a call when that instance is found dead.
+A ps that dies makes ``schedule``/``join``/``done`` raise
 :class:`~torchstrategies.errors.UnavailableError` (within the strategy's timeout), as does losing every worker
 for longer than the timeout.
 """
@@ -32,6 +35,7 @@ from torchstrategies.parameter_server.remote_value import PerWorkerValues, Remot
 from torchstrategies.parameter_server.rpc.client import RpcClient
 from torchstrategies.parameter_server.rpc.transport import RemoteError
 from torchstrategies.parameter_server.strategy import ParameterServerStrategy
+from torchstrategies.parameter_server.worker_links import WorkerInstance
 
 # What ``ts.coordinator`` exports (tf.distribute.coordinator's names): the one list of them.
 __all__ = [
@@ -58,61 +62,66 @@ class _Closure:
         self.remote_value._mark_cancelled()
 
 
+class _Abort:
+    """What cancels a call in flight on a worker: its instance found dead, or the coordinator stopping."""
+
+    def __init__(self, dead: threading.Event, stopping: threading.Event):
+        self._dead = dead
+        self._stopping = stopping
+
+    def is_set(self) -> bool:
+        return self._dead.is_set() or self._stopping.is_set()
+
+
 class _WorkerHandle:
     def __init__(self, coordinator: ClusterCoordinator, index: int):
         self.c = coordinator
         self.index = index
-        self.client: RpcClient | None = None
-        self.instance: str | None = None
-        self.refused = ""                   # why the worker's entry was last refused (logged once)
+        self.link = coordinator.strategy._workers[index]
+        self.conn: tuple[RpcClient, WorkerInstance] | None = None   # the work channel, and its instance
+        self.on: WorkerInstance | None = None   # the instance last connected to
         self.sent: set = set()
         self.pulled_bytes = 0
         self.pushed_bytes = 0
         self.closures_run = 0
-        self.lost = threading.Event()       # set by the heartbeat when this worker stops answering
         self.thread = threading.Thread(target=self._loop, name=f"ps-worker-{index}", daemon=True)
 
     def _loop(self) -> None:
         q = self.c._queue
         while not self.c._stopped:
-            if self.lost.is_set() and self.client is not None and not self.client.broken:
-                self.client.close()             # frozen or dead: wait for the task to come back
-                q.set_live(self.index, False)
-                self.c._worker_lost_at(self.index)
-            client = self.client
-            if client is None or client.broken:
+            if self.conn is None:
                 if not self._connect():
                     time.sleep(0.5)
                 continue                        # connected: the next pass takes a closure
+            client, on = self.conn
+            if on.dead.is_set() or client.broken:
+                on.mark_dead("its work channel broke")
+                client.close()                  # dead or frozen: wait for the task to come back
+                self.conn = None
+                q.set_live(self.index, False)
+                self.c._worker_lost_at(self.index)
+                continue
             closure = q.get(self.index)
             if closure is None:
                 continue
-            self._process(closure, client)
+            self._process(closure, client, on)
 
     def _connect(self) -> bool:
+        """Sets up the work channel to the worker's current instance (the one its link follows)."""
         s = self.c.strategy
+        on = self.link.current()
+        if on is None or on is self.on:
+            return False                        # not back yet
         try:
-            address, instance = s._server_address("worker", self.index)
-        except Exception as exc:  # noqa: BLE001 - store unreachable or entry refused: keep trying until stopped
-            if str(exc) != self.refused:
-                self.refused = str(exc)
-                log.warning("worker:%d: %s", self.index, exc)
+            client = s._connect_worker(self.index, on.address, on.instance)
+        except (UnavailableError, DeadlineExceededError, RemoteError) as exc:
+            on.mark_dead(f"its set-up failed: {exc}")
             return False
-        self.refused = ""
-        if instance == self.instance and self.client is not None:
-            return False       # the same (dead) instance; wait for a new one
-        try:
-            client = s._connect_worker(self.index, address, instance)
-        except (UnavailableError, DeadlineExceededError, RemoteError):
-            return False
-        if self.instance is not None:
-            log.warning("worker:%d is back at %s; reconnected", self.index, address)
-        self.client, self.instance, self.sent = client, instance, set()
-        self.lost.clear()
+        self.conn, self.on, self.sent = (client, on), on, set()
         self.c._queue.set_live(self.index, True)
         return True
 
-    def _process(self, closure: _Closure, client: RpcClient) -> None:
+    def _process(self, closure: _Closure, client: RpcClient, on: WorkerInstance) -> None:
         q = self.c._queue
         try:
             header = {
@@ -126,15 +135,12 @@ class _WorkerHandle:
             q.mark_failed(exc)
             return
         try:
-            reply, _ = client.call(header, timeout=None, abort=self.lost)
+            reply, _ = client.call(header, timeout=None, abort=_Abort(on.dead, self.c._stopping))
         except (UnavailableError, DeadlineExceededError, CancelledError) as exc:
             if self.c._stopped:
                 closure.mark_cancelled()
                 return
-            log.warning("worker:%d failed while running a closure (%s); the closure is re-queued", self.index, exc)
-            client.close()
-            q.set_live(self.index, False)
-            self.c._worker_lost_at(self.index)
+            on.mark_dead(f"failed while running a closure ({exc}); the closure is re-queued")
             q.put_back(closure)
             return
         except RemoteError as e:
@@ -204,6 +210,7 @@ class ClusterCoordinator:
         strategy._cluster_coordinator = self
         self._registry = strategy._registry
         self._stopped = False
+        self._stopping = threading.Event()
         n = strategy._num_workers
         self._queue = ClosureQueue(n, strategy._max_staleness)
         self._lost_since: dict[int, float] = {}
@@ -299,26 +306,26 @@ class ClusterCoordinator:
             raise UnavailableError(self._queue.fatal)
 
     # ---- what the strategy tells its coordinator (strategy.CoordinatorHooks) --------------------------
-    def _worker_unresponsive(self, index: int) -> None:
-        """The heartbeat found worker ``index`` dead or frozen: abandon its closure (it is re-queued)."""
-        self._workers[index].lost.set()
-
     def _ps_failed(self, message: str) -> None:
         """A ps is gone: ``schedule``/``join``/``done`` raise UnavailableError(message) from now on."""
         self._queue.set_fatal(message)
 
-    def _stop(self) -> None:
-        """Stops scheduling: queued closures are cancelled, in-flight calls abandoned."""
+    def _stop(self, limit: float) -> None:
+        """Stops scheduling: queued closures are cancelled, in-flight calls abandoned, and each worker's
+        thread joined (at most ``limit`` seconds in all: one still connecting to a task that does not
+        answer is left behind)."""
         self._stopped = True
+        self._stopping.set()
         self._queue.stop()
+        end = time.monotonic() + limit
         for w in self._workers:
-            w.lost.set()
+            w.thread.join(max(0.0, end - time.monotonic()))
 
     def _close_clients(self) -> None:
         """Closes every worker's channel (after the strategy shut the tasks down)."""
         for w in self._workers:
-            if w.client is not None:
-                w.client.close()
+            if w.conn is not None:
+                w.conn[0].close()
 
     def traffic(self) -> dict[str, int]:
         """Bytes the workers pulled from and pushed to the ps so far, and closures run."""

@@ -26,8 +26,9 @@ from torchstrategies.parameter_server.base import ParameterServerExtended
 from torchstrategies.parameter_server.registry import Registry
 from torchstrategies.parameter_server.rpc.auth import CHIEF, JobAuth
 from torchstrategies.parameter_server.rpc.client import RpcClient
-from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, connect_store, entry_key
+from torchstrategies.parameter_server.rpc.rendezvous import Entry, EntryReader, connect_store, entry_key
 from torchstrategies.parameter_server.rpc.transport import RemoteError
+from torchstrategies.parameter_server.worker_links import WorkerInstance, WorkerLink
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -36,13 +37,12 @@ log = logging.getLogger("torchstrategies.parameter_server")
 
 class CoordinatorHooks(Protocol):
     """What the strategy tells its :class:`~torchstrategies.coordinator.ClusterCoordinator` (which registers
-    itself as ``strategy._cluster_coordinator``): the strategy never imports the coordinator it serves."""
-
-    def _worker_unresponsive(self, index: int) -> None: ...
+    itself as ``strategy._cluster_coordinator``): the strategy never imports the coordinator it serves.
+    A worker's death needs no hook: the coordinator follows the worker's :class:`WorkerLink`."""
 
     def _ps_failed(self, message: str) -> None: ...
 
-    def _stop(self) -> None: ...
+    def _stop(self, limit: float) -> None: ...
 
     def _close_clients(self) -> None: ...
 
@@ -99,8 +99,9 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"heartbeat_interval and heartbeat_timeout must be > 0, got "
                              f"{heartbeat_interval!r} and {heartbeat_timeout!r}")
         self._auth = JobAuth.from_env()
-        self._hb_inflight: set[tuple[str, int]] = set()
-        self._replacing: set[int] = set()
+        self._hb_inflight: set[RpcClient] = set()
+        self._replacing: dict[int, threading.Thread] = {}
+        self._stopping = threading.Event()
         self._hb_lock = threading.Lock()
         self._fatal: str | None = None
         self._closed = False
@@ -145,38 +146,51 @@ class ParameterServerStrategy(Strategy):
                              f"{variable_partitioner!r}")
 
     def _connect_tasks(self) -> None:
-        """Opens a data and a control (watched) channel to every ps, a control channel to every worker."""
+        """Opens a data and a control (watched) channel to every ps, a control channel to every worker (whose
+        instance the worker's :class:`WorkerLink` then follows)."""
         self._ps_clients: list[RpcClient] = []
-        self._control: dict[tuple[str, int], RpcClient] = {}
+        self._ps_control: list[RpcClient] = []
         ps_instances = []
         for i in range(self._num_ps):
             address, instance = self._server_address("ps", i)
             self._ps_clients.append(self._hello(address, f"ps:{i}", instance))
-            self._control[("ps", i)] = self._hello(address, f"ps:{i}", instance, watch=True)
+            self._ps_control.append(self._hello(address, f"ps:{i}", instance, watch=True))
             ps_instances.append(instance)
         self._ps_addresses = [c.address for c in self._ps_clients]
         self._ps_entries = [[a, i] for a, i in zip(self._ps_addresses, ps_instances, strict=True)]
-        self._instances: dict[int, str] = {}      # worker index -> instance its control client talks to
+        self._workers: list[WorkerLink] = []
         for i in range(self._num_workers):
-            address, instance = self._server_address("worker", i)
-            self._control[("worker", i)] = self._hello(address, f"worker:{i}", instance, watch=True)
-            self._instances[i] = instance
+            entry = self._entries.read("worker", i)
+            first = WorkerInstance(i, entry.address, entry.instance, self._open_worker_control(i, entry))
+            self._workers.append(WorkerLink(first, self._read_worker_entry, self._reconnect_worker_control))
 
     @property
     def variable_partitioner(self):
         return self._variable_partitioner
 
     def shutdown(self) -> None:
-        """Stops the coordinator and tells every ps and worker task to exit (also run at interpreter exit)."""
+        """Stops the coordinator and tells every ps and worker task to exit (also run at interpreter exit).
+
+        In order: the heartbeats stop, the coordinator's threads stop (their calls in flight are abandoned),
+        every task is told to exit, then every channel is closed; each thread is joined, so nothing of the
+        strategy runs on into interpreter exit. A thread still connecting to a task that does not answer is
+        waited for at most one ``heartbeat_timeout`` (or 5 s for the coordinator's), then left behind.
+        """
         if self._closed:
             return
         self._closed = True
-        if self._cluster_coordinator is not None:
-            self._cluster_coordinator._stop()
-        # In parallel, each with its own deadline: a frozen task delays shutdown by at most that deadline.
+        self._stopping.set()
         limit = min(5.0, self._timeout)
+        self._hb_thread.join()
+        with self._hb_lock:
+            reconnecting = list(self._replacing.values())
+        for thread in reconnecting:
+            thread.join(self._heartbeat_timeout)
+        if self._cluster_coordinator is not None:
+            self._cluster_coordinator._stop(limit)
+        # In parallel, each with its own deadline: a frozen task delays shutdown by at most that deadline.
         pending = threading.Semaphore(0)
-        clients = list(self._control.values())
+        clients = self._ps_control + [link.latest.control for link in self._workers]
         for client in clients:
             try:
                 client.call_async({"op": "shutdown"}, limit, lambda _err: pending.release())
@@ -226,6 +240,18 @@ class ParameterServerStrategy(Strategy):
         entry = self._entries.read(kind, index)
         return entry.address, entry.instance
 
+    def _read_worker_entry(self, index: int) -> Entry:
+        return self._entries.read("worker", index)
+
+    def _open_worker_control(self, index: int, entry: Entry) -> RpcClient:
+        return self._hello(entry.address, f"worker:{index}", entry.instance, watch=True)
+
+    def _reconnect_worker_control(self, index: int, entry: Entry) -> RpcClient:
+        """A restarted worker's control channel: within one heartbeat deadline, so a task that published
+        and died again holds up nothing for long."""
+        return self._hello(entry.address, f"worker:{index}", entry.instance, watch=True,
+                           timeout=self._heartbeat_timeout)
+
     def _hello(self, address: str, name: str, instance: str, watch: bool = False,
                timeout: float | None = None) -> RpcClient:
         client = RpcClient(address, name, timeout or self._timeout, self._auth, CHIEF, instance=instance,
@@ -268,64 +294,58 @@ class ParameterServerStrategy(Strategy):
 
     def _heartbeat_loop(self) -> None:
         """Every ``heartbeat_interval``: one heartbeat per task, all in flight at once, each with its own
-        deadline; a task whose previous heartbeat is still unanswered gets no second one."""
+        deadline; a channel whose previous heartbeat is still unanswered gets no second one. A worker's
+        heartbeat goes to its latest instance; when that one is dead, the worker's link looks (on a thread
+        of its own) for the instance that replaced it."""
         while not self._closed:
-            for (kind, i), client in list(self._control.items()):
-                if self._closed:
-                    return
-                if client.broken:
-                    if kind == "worker":
-                        self._replace_control_soon(i)
-                    continue
-                with self._hb_lock:
-                    if (kind, i) in self._hb_inflight:
-                        continue
-                    self._hb_inflight.add((kind, i))
-                try:
-                    client.call_async({"op": "heartbeat"}, self._heartbeat_timeout,
-                                      functools.partial(self._heartbeat_done, kind, i))
-                except Exception as exc:  # noqa: BLE001 - e.g. the channel was closed meanwhile
-                    self._heartbeat_done(kind, i, exc)
-            time.sleep(self._heartbeat_interval)
+            for i, client in enumerate(self._ps_control):
+                self._beat(client, functools.partial(self._ps_heartbeat_failed, i))
+            for link in self._workers:
+                latest = link.latest
+                if latest.dead.is_set():
+                    self._find_worker_soon(link)
+                else:
+                    self._beat(latest.control, functools.partial(self._worker_heartbeat_failed, latest))
+            self._stopping.wait(self._heartbeat_interval)
 
-    def _heartbeat_done(self, kind: str, i: int, error: BaseException | None) -> None:
+    def _beat(self, client: RpcClient, failed) -> None:
         with self._hb_lock:
-            self._hb_inflight.discard((kind, i))
-        if error is None or self._closed:
-            return
-        if kind == "ps":
-            self._ps_failed(f"ps:{i} is unavailable: {error}")
-        else:
-            log.warning("worker:%d stopped answering heartbeats (%s); its closure is re-queued", i, error)
-            self._control[("worker", i)].mark_broken(f"worker:{i} stopped answering heartbeats: {error}")
-            if self._cluster_coordinator is not None:
-                self._cluster_coordinator._worker_unresponsive(i)
-
-    def _replace_control_soon(self, index: int) -> None:
-        """Runs :meth:`_replace_control` on its own thread, so connecting to a worker that came back never
-        delays the heartbeats of the others."""
-        with self._hb_lock:
-            if index in self._replacing:
+            if self._closed or client in self._hb_inflight:
                 return
-            self._replacing.add(index)
+            self._hb_inflight.add(client)
 
+        def done(error: BaseException | None) -> None:
+            with self._hb_lock:
+                self._hb_inflight.discard(client)
+            if error is not None and not self._closed:
+                failed(error)
+
+        try:
+            client.call_async({"op": "heartbeat"}, self._heartbeat_timeout, done)
+        except Exception as exc:  # noqa: BLE001 - e.g. the channel was closed meanwhile
+            done(exc)
+
+    def _ps_heartbeat_failed(self, i: int, error: BaseException) -> None:
+        self._ps_failed(f"ps:{i} is unavailable: {error}")
+
+    @staticmethod
+    def _worker_heartbeat_failed(instance: WorkerInstance, error: BaseException) -> None:
+        """That instance is dead or frozen: the coordinator abandons (and re-queues) the closure it runs there."""
+        instance.mark_dead(f"stopped answering heartbeats ({error}); its closure is re-queued")
+
+    def _find_worker_soon(self, link: WorkerLink) -> None:
+        """Runs ``link.current()`` on its own thread, so connecting to a worker that came back never delays
+        the heartbeats of the others."""
         def run() -> None:
             try:
-                self._replace_control(index)
+                link.current()
             finally:
                 with self._hb_lock:
-                    self._replacing.discard(index)
+                    self._replacing.pop(link.index, None)
 
-        threading.Thread(target=run, name=f"ps-reconnect-{index}", daemon=True).start()
-
-    def _replace_control(self, index: int) -> None:
-        """After a worker died: reconnect the control channel when its task is back (a new instance)."""
-        try:
-            address, instance = self._server_address("worker", index)
-            if instance != self._instances[index]:
-                self._control[("worker", index)].close()
-                self._control[("worker", index)] = self._hello(address, f"worker:{index}", instance, watch=True,
-                                                               timeout=self._heartbeat_timeout)
-                self._instances[index] = instance
-        except Exception:  # noqa: BLE001 - not back yet
-            pass
+        with self._hb_lock:
+            if self._closed or link.index in self._replacing:
+                return
+            thread = threading.Thread(target=run, name=f"ps-reconnect-{link.index}", daemon=True)
+            self._replacing[link.index] = thread
+            thread.start()

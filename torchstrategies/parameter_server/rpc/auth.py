@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
+import warnings
 from dataclasses import dataclass
 
 __all__ = ["JobAuth", "AUTH_KEY", "CHIEF", "TASK", "with_job_secret"]
@@ -54,6 +56,18 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"cannot read {what} {path!r}: {exc}") from None
 
 
+def _warn_if_shared(path: str) -> None:
+    """Warns when the secret file's group or other users may read or write it (as ssh does for a key)."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        warnings.warn(
+            f"{_ENV_SECRET_FILE} {path!r} is accessible to other users (mode {mode:04o}): anyone who reads it "
+            f"can act as any task of this job. Fix: chmod 600 {path}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 @dataclass(frozen=True)
 class JobAuth:
     """The job's credentials, as the launch configured them (:meth:`from_env`)."""
@@ -76,7 +90,9 @@ class JobAuth:
         if os.environ.get(_ENV_SECRET):
             secret = os.environ[_ENV_SECRET].encode()
         elif os.environ.get(_ENV_SECRET_FILE):
-            secret = _read(os.environ[_ENV_SECRET_FILE], _ENV_SECRET_FILE).strip()
+            path = os.environ[_ENV_SECRET_FILE]
+            secret = _read(path, _ENV_SECRET_FILE).strip()
+            _warn_if_shared(path)
         if secret is not None and len(secret) < 16:
             raise ValueError(
                 f"the parameter-server job secret ({_ENV_SECRET}) must be at least 16 bytes, got "

@@ -27,7 +27,7 @@ from torchstrategies.parameter_server.rpc.session import (
     client_hello,
     client_session,
 )
-from torchstrategies.parameter_server.rpc.streams import StreamExpired, StreamPool
+from torchstrategies.parameter_server.rpc.streams import Abort, StreamExpired, StreamPool
 from torchstrategies.parameter_server.rpc.transport import (
     HANDSHAKE_PATH,
     METHODS,
@@ -178,7 +178,7 @@ class RpcClient:
         header: dict,
         tensors: list[torch.Tensor] | None = None,
         timeout: float | None | str = "default",
-        abort: threading.Event | None = None,
+        abort: Abort | None = None,
     ) -> tuple[dict, list[torch.Tensor]]:
         """Sends a request and waits for its reply.
 
@@ -213,7 +213,7 @@ class RpcClient:
         return self._reply(out, seq)
 
     def _exchange(
-        self, service: str, op: str, data: bytes, t: float | None, abort: threading.Event | None
+        self, service: str, op: str, data: bytes, t: float | None, abort: Abort | None
     ) -> bytes:
         """One request on a stream of ``service`` (see :mod:`streams`)."""
         try:

@@ -24,15 +24,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-__all__ = ["StreamPool", "StreamExpired", "StreamError", "Watchdog", "open_stream", "WATCHDOG_TICK"]
+__all__ = ["Abort", "StreamPool", "StreamExpired", "StreamError", "Watchdog", "open_stream", "WATCHDOG_TICK"]
 
 WATCHDOG_TICK = 0.05  # seconds between deadline checks: the slack of a per-request deadline
 _END = object()
 log = logging.getLogger("torchstrategies.parameter_server")
+
+
+class Abort(Protocol):
+    """What a call checks to be abandoned (a ``threading.Event``, or anything with ``is_set()``)."""
+
+    def is_set(self) -> bool: ...
 
 
 class StreamExpired(Exception):
@@ -194,31 +200,52 @@ def open_stream(channel: grpc.Channel, path: str, metadata: tuple[tuple[str, str
 
 class Watchdog:
     """Cancels streams whose reply is overdue or whose ``abort`` event was set (one thread per process,
-    started on first use, checking every :data:`WATCHDOG_TICK` seconds)."""
+    checking every :data:`WATCHDOG_TICK` seconds). The thread runs while a :class:`StreamPool` is open:
+    the first pool starts it, closing the last one stops and joins it, so nothing of it outlives the
+    channels at interpreter exit."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._watched: dict[int, tuple[_Stream, float | None, threading.Event | None]] = {}
+        self._watched: dict[int, tuple[_Stream, float | None, Abort | None]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._holders = 0
 
-    def watch(self, stream: _Stream, timeout: float | None, abort: threading.Event | None) -> int:
+    def hold(self) -> None:
+        """A pool opened: the thread runs from now on."""
+        with self._lock:
+            self._holders += 1
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="ps-stream-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    def release(self) -> None:
+        """A pool closed: the last one stops the thread and waits for it."""
+        with self._lock:
+            self._holders -= 1
+            if self._holders > 0 or self._thread is None:
+                return
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not threading.current_thread():
+            thread.join()
+
+    def watch(self, stream: _Stream, timeout: float | None, abort: Abort | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             token = next(self._ids)
             self._watched[token] = (stream, deadline, abort)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ps-stream-watchdog", daemon=True)
-                self._thread.start()
         return token
 
     def unwatch(self, token: int) -> None:
         with self._lock:
             self._watched.pop(token, None)
 
-    def _run(self) -> None:
-        while True:
-            time.sleep(WATCHDOG_TICK)
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(WATCHDOG_TICK):
             now = time.monotonic()
             with self._lock:  # marked under the lock: a stream unwatched after this is never reused
                 due = []
@@ -248,8 +275,9 @@ class StreamPool:
         self._idle: dict[str, list[_Stream]] = {}
         self._busy: set[_Stream] = set()
         self._closed = False
+        _watchdog.hold()
 
-    def exchange(self, path: str, request: bytes, timeout: float | None, abort: threading.Event | None) -> bytes:
+    def exchange(self, path: str, request: bytes, timeout: float | None, abort: Abort | None) -> bytes:
         """Sends ``request`` on an idle stream of method ``path`` (or a new one) and returns its reply.
 
         Raises:
@@ -291,6 +319,8 @@ class StreamPool:
     def close(self) -> None:
         """Closes every stream; a call waiting on one fails at once (and closes its stream itself)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             idle = [st for streams in self._idle.values() for st in streams]
             busy = list(self._busy)
@@ -299,3 +329,4 @@ class StreamPool:
             st.cancel()
         for st in idle:
             st.close()
+        _watchdog.release()
