@@ -101,6 +101,7 @@ from torchstrategies.distribute import context, creation, device_util
 from torchstrategies.distribute.context import _Mode, current_mode, has_strategy, pop_mode, push_mode
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
+from torchstrategies.distribute.torch_patches import Lease
 from torchstrategies.distribute.values import (
     Destinations,
     DistributedValues,
@@ -495,7 +496,13 @@ class StrategyExtended:
         self._parameter_devices: tuple[torch.device, ...] | None = None
         if container_strategy is not None:
             self._set_container(container_strategy)
-        creation.install()
+        # torch's globals this strategy needs, held while it lives (distribute/torch_patches.py).
+        self._torch_leases: list[Lease] = [] if self._is_default else [creation.PATCHES.acquire(self)]
+
+    def _release_torch_patches(self) -> None:
+        """Gives back this strategy's claim on torch's globals (``shutdown()``; also done when collected)."""
+        for lease in self._torch_leases:
+            lease.release()
 
     def _set_container(self, strategy: Strategy) -> None:
         self._container_ref = weakref.ref(strategy)

@@ -171,6 +171,7 @@ class ParameterServerStrategy(Strategy):
         if self._closed:
             return
         self._closed = True
+        self._extended._release_torch_patches()
         if self._cluster_coordinator is not None:
             self._cluster_coordinator._stop()
         # In parallel, each with its own deadline: a frozen task delays shutdown by at most that deadline.
