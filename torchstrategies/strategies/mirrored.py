@@ -38,7 +38,7 @@ from torchstrategies.distribute.mirrored_run import call_for_each_replica, curre
 from torchstrategies.distribute.replicated import ReplicatedTensors
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
-from torchstrategies.distribute.variables import Variable, create_distributed_variable
+from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies.one_device import canonical_device
 
@@ -208,9 +208,8 @@ class MirroredExtended(StrategyExtended):
     def _update_components(self, var: Variable | torch.Tensor | DistributedValues[object]) -> tuple[object, ...]:
         if isinstance(var, torch.Tensor) and not isinstance(var, DistributedValues):
             return (var,)  # a replicated tensor: its primary (the components follow at their next turn)
-        comps = getattr(var, "_components", None)
-        if comps is not None:
-            return tuple(comps)
+        if isinstance(var, Variable):
+            return component_variables(var)  # fn gets a variable, as under OneDevice and in TF
         return local_results(var)
 
     # -- creation ---------------------------------------------------------------------------------
