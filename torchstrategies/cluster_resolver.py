@@ -627,8 +627,9 @@ class KubernetesClusterResolver(TorchrunClusterResolver):
         if not master and env.get("JOBSET_NAME") and env.get("REPLICATED_JOB_NAME"):
             jobset = env["JOBSET_NAME"]
             master = f"{jobset}-{env['REPLICATED_JOB_NAME']}-0-0.{env.get('JOBSET_SUBDOMAIN') or jobset}"
-        missing = [name for name, value in (("RANK or JOB_COMPLETION_INDEX", rank), ("WORLD_SIZE", env.get("WORLD_SIZE")),
-                                            ("MASTER_ADDR or JOBSET_NAME + REPLICATED_JOB_NAME", master)) if not value]
+        needed = (("RANK or JOB_COMPLETION_INDEX", rank), ("WORLD_SIZE", env.get("WORLD_SIZE")),
+                  ("MASTER_ADDR or JOBSET_NAME + REPLICATED_JOB_NAME", master))
+        missing = [name for name, value in needed if not value]
         if missing:
             raise ValueError(f"KubernetesClusterResolver: {', '.join(missing)} not set: run the pods as a Kubeflow "
                              "PyTorchJob (which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or as a JobSet / "
