@@ -43,7 +43,7 @@ def record(name: str, args: list[str]) -> Path:
     record = {"command": shlex.join(command), "date_utc": started.strftime("%Y-%m-%d %H:%M"),
               "machine": _machine(), "load_1min_start": round(load_before, 2), "load_1min_end": round(load_after, 2)}
     result.meta["recorded"] = record
-    result.title += (f" | recorded {record['date_utc']} UTC on {record['machine']}, 1-min load "
+    result.title += (f"\nrecorded {record['date_utc']} UTC on {record['machine']}, 1-min load "
                      f"{load_before:.1f} -> {load_after:.1f}")
     result.write_json(str(json_path))
     load_module(BENCH_MODULES[name]).plot(result, str(png_path))

@@ -124,3 +124,14 @@ def test_the_creation_tracker_says_its_hooks_install_with_the_first_strategy_not
 
     doc = creation.__doc__ or ""
     assert "on import" not in doc and "first strategy" in doc
+
+
+# ---------------------------------------------------------------- the Makefile
+def test_the_makefile_builds_with_the_venvs_ninja_and_installs_the_integrations_with_the_pinned_torch():
+    makefile = (ROOT / "Makefile").read_text()
+    assert 'WITH_VENV_PATH := PATH="$(abspath $(VENV))/bin:$$PATH"' in makefile
+    for line in makefile.splitlines():
+        if line.startswith("\t") and ("setup.py" in line or ("pip install" in line and "-e ." in line)):
+            assert line.strip().startswith("$(WITH_VENV_PATH)"), line
+    deps = makefile[makefile.index("$(DEPS_STAMP):"):makefile.index("touch $@")]
+    assert '"$(TORCH)"' in deps and all(p in deps for p in ("accelerate", "transformers", "lightning"))

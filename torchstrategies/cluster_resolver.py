@@ -490,7 +490,7 @@ def _expand_name(name: str, hostlist: str) -> list[str]:
     if not sep:
         return [name]
     body, _, tail = rest.partition("]")
-    out = []
+    out: list[str] = []
     for part in body.split(","):
         lo, dash, hi = part.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
