@@ -25,11 +25,13 @@ $(DEPS_STAMP): $(PY) Makefile
 		ruff mypy accelerate transformers lightning
 	touch $@
 
+# The editable install is the Python package only: pip's editable build would compile the extension in a
+# temporary directory, and build_ext --inplace below would then compile it all again.
 $(INSTALL_STAMP): $(DEPS_STAMP) pyproject.toml setup.py
-	$(WITH_VENV_PATH) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	TORCHSTRATEGIES_NO_EXTENSION=1 $(WITH_VENV_PATH) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# First run: pip's editable install. Later runs: ninja rebuilds only the C++ files that changed.
+# The one compile of the C++ extension (build/temp, setup.cfg); later runs rebuild only what changed.
 build: $(INSTALL_STAMP)
 	$(WITH_VENV_PATH) $(PY) setup.py -q build_ext --inplace
 

@@ -132,6 +132,25 @@ def test_the_makefile_builds_with_the_venvs_ninja_and_installs_the_integrations_
     assert 'WITH_VENV_PATH := PATH="$(abspath $(VENV))/bin:$$PATH"' in makefile
     for line in makefile.splitlines():
         if line.startswith("\t") and ("setup.py" in line or ("pip install" in line and "-e ." in line)):
-            assert line.strip().startswith("$(WITH_VENV_PATH)"), line
+            assert "$(WITH_VENV_PATH) $(PY)" in line, line
     deps = makefile[makefile.index("$(DEPS_STAMP):"):makefile.index("touch $@")]
     assert '"$(TORCH)"' in deps and all(p in deps for p in ("accelerate", "transformers", "lightning"))
+
+
+def _extension_count(env: dict[str, str]) -> int:
+    code = ("import runpy, setuptools; seen = {}; setuptools.setup = lambda **kw: seen.update(kw); "
+            "runpy.run_path('setup.py', run_name='__main__'); print(len(seen['ext_modules']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, **env})
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_first_make_compiles_the_extension_once():
+    """pip's editable build compiles in a temporary directory of its own, so the Makefile's editable install
+    builds the Python package only and `build_ext --inplace` is the one compile."""
+    makefile = (ROOT / "Makefile").read_text()
+    install = next(line for line in makefile.splitlines() if line.startswith("\t") and "pip install" in line
+                   and "-e ." in line)
+    assert "TORCHSTRATEGIES_NO_EXTENSION=1" in install
+    assert _extension_count({"TORCHSTRATEGIES_NO_EXTENSION": "1"}) == 0
+    assert _extension_count({"TORCHSTRATEGIES_NO_EXTENSION": ""}) == 1
