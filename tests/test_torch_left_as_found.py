@@ -61,8 +61,8 @@ _IN_PROCESS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(_IN_PROCESS))
-def test_deleting_an_in_process_strategy_leaves_torch_as_found(kind):
+def _in_process_body(rank: int, world: int, kind: str) -> list[str]:
+    """In a fresh process (no strategy of another test alive): make, use and delete one strategy."""
     _warm_torch()
     before = snapshot()
     strategy = _IN_PROCESS[kind]()
@@ -74,10 +74,16 @@ def test_deleting_an_in_process_strategy_leaves_torch_as_found(kind):
     gc.collect()
     assert gone() is None, "nothing should keep a deleted strategy alive"
     assert not creation.PATCHES.installed and not mirrored.PATCHES.installed
-    assert changes(before, snapshot()) == []
+    return changes(before, snapshot())
 
 
-def test_patches_stay_while_any_strategy_lives():
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", sorted(_IN_PROCESS))
+def test_deleting_an_in_process_strategy_leaves_torch_as_found(kind):
+    assert run_ranks(_in_process_body, 1, args=(kind,), init_process_group=False, timeout=110) == [[]]
+
+
+def _two_strategies_body(rank: int, world: int) -> list[str]:
     _warm_torch()
     before = snapshot()
     first, second = ts.MirroredStrategy(num_replicas=2), ts.MirroredStrategy(num_replicas=2)
@@ -85,10 +91,15 @@ def test_patches_stay_while_any_strategy_lives():
     del first
     gc.collect()
     assert mirrored.PATCHES.installed
-    _train_in(second)  # still one update per step: its optimizers' step wrappers are in place
+    _train_in(second)  # the first one gone, the second still trains with every patch in place
     del second
     gc.collect()
-    assert changes(before, snapshot()) == []
+    return changes(before, snapshot())
+
+
+@pytest.mark.timeout(120)
+def test_patches_stay_while_any_strategy_lives():
+    assert run_ranks(_two_strategies_body, 1, init_process_group=False, timeout=110) == [[]]
 
 
 def _multi_worker_body(rank: int, world: int, how: str) -> list[str]:
