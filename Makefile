@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-stamp
 INSTALL_STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
+# torch's extension builder runs whichever `ninja` is first on PATH: make it the one installed here.
+WITH_VENV_PATH := PATH="$(abspath $(VENV))/bin:$$PATH"
 
 .PHONY: all build test lint demo bench clean
 
@@ -20,16 +22,18 @@ $(DEPS_STAMP): $(PY) Makefile
 	$(PY) -m pip install -q "$(TORCH)" pybind11 ninja "setuptools>=77" wheel packaging numpy \
 		pytest pytest-timeout scikit-learn matplotlib rich click tqdm \
 		cloudpickle psutil "grpcio>=1.60" "grpcio-health-checking>=1.60" "protobuf>=4.21" \
-		ruff mypy
+		ruff mypy accelerate transformers lightning
 	touch $@
 
+# The editable install is the Python package only: pip's editable build would compile the extension in a
+# temporary directory, and build_ext --inplace below would then compile it all again.
 $(INSTALL_STAMP): $(DEPS_STAMP) pyproject.toml setup.py
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	TORCHSTRATEGIES_NO_EXTENSION=1 $(WITH_VENV_PATH) $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# First run: pip's editable install. Later runs: ninja rebuilds only the C++ files that changed.
+# The one compile of the C++ extension (build/temp, setup.cfg); later runs rebuild only what changed.
 build: $(INSTALL_STAMP)
-	$(PY) setup.py -q build_ext --inplace
+	$(WITH_VENV_PATH) $(PY) setup.py -q build_ext --inplace
 
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -42,8 +46,9 @@ lint: $(DEPS_STAMP)
 demo: build
 	$(PY) -m torchstrategies demo
 
+# Regenerates the figures in benchmarks/results/ (JSON + plot each, stamped with date, machine and load).
 bench: build
-	$(PY) -m torchstrategies bench kernels
+	for f in kernels allreduce train train_ps; do $(PY) benchmarks/$$f.py || exit 1; done
 
 clean:
 	rm -rf build *.egg-info torchstrategies/*.so

@@ -85,7 +85,17 @@ def extensions() -> list:
     ]
 
 
+def _wanted_extensions() -> list:
+    """``TORCHSTRATEGIES_NO_EXTENSION=1``: the Python package only. The Makefile's editable install uses it,
+    because pip's editable build compiles in a temporary directory of its own (setup.cfg's build_temp does not
+    reach it), so the ``build_ext --inplace`` after it would compile every file a second time; with the
+    switch, that ``build_ext --inplace`` is the one compile, and later ones rebuild only what changed."""
+    if os.environ.get("TORCHSTRATEGIES_NO_EXTENSION") == "1":
+        return []
+    return extensions()
+
+
 setup(
-    ext_modules=extensions(),
+    ext_modules=_wanted_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -139,3 +139,14 @@ def test_winners_are_per_group_and_sorted_by_numeric_size():
 def test_series_groups_points_for_plotting_sorted_by_size():
     r = _table([("a", "1M", 2.0), ("a", "1K", 1.0), ("b", "1K", "oops")])
     assert series(r) == {None: {"a": [(1024.0, 1.0), (1048576.0, 2.0)]}}
+
+
+def test_compare_never_recommends_a_reference_row_of_the_allreduce_benchmark():
+    """shm-comm (the communicator called directly) is a reference a user cannot choose (issue 39)."""
+    from torchstrategies.bench import allreduce
+
+    rows = [{"implementation": impl, "size": size, "seconds": seconds}
+            for size in (4096, 1 << 20)
+            for impl, seconds in (("gloo", 1e-3), ("shm-comm", 1e-6), ("shm", 2e-6), ("loopback-roofline", 1e-7))]
+    result = allreduce._table({"rows": rows, "machine": "test"}, 2)
+    assert {w.best for w in winners(result)} == {"shm"}

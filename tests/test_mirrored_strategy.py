@@ -222,7 +222,7 @@ def test_extended_reduce_to_batch_reduce_to_and_update():
         s.extended.reduce_to("sum", v, 3)
     with s.scope():
         var = ts.Variable(torch.zeros(2))
-    s.extended.update(var, lambda c, x: c.add_(x), args=(torch.ones(2),))
+    s.extended.update(var, lambda c, x: c.assign_add(x), args=(torch.ones(2),))  # fn gets a variable, as in TF
     assert all(torch.equal(c, torch.ones(2)) for c in var.values)
     with pytest.raises(RuntimeError, match="merge_call"):
         s.run(lambda: s.extended.reduce_to("sum", v, "cpu"))

@@ -20,7 +20,8 @@ _IMPORT = re.compile(r"^\s*import\s+(torchstrategies(?:\.\w+)*)", re.M)
 _DOTTED = re.compile(r"(?<![\w./\"'])(ts|torchstrategies)((?:\.[A-Za-z_]\w*)+)")
 
 # Dotted words in the docs that are not Python names, with where they stand.
-_NOT_NAMES = {"torchstrategies.example": "a logger name in docs/logging.md's log-line example"}
+_NOT_NAMES = {"torchstrategies.example": "a logger name in docs/logging.md's log-line example",
+              "torchstrategies.multi_worker": "MultiWorkerMirroredStrategy's logger, in docs/logging.md's table"}
 
 
 def _sources() -> list[Path]:

@@ -8,6 +8,10 @@ Global ranks follow one rule for every resolver: the jobs ``chief``, then ``ps``
 task-index order (``evaluator`` tasks are outside the training world and have no rank). So with one chief,
 two ps and three workers, ranks are chief:0 -> 0, ps:0 -> 1, ps:1 -> 2, worker:0 -> 3, ...
 
+Launchers: torchrun (``TorchrunClusterResolver``), ``TF_CONFIG`` (``TFConfigClusterResolver``), SLURM's srun
+(``SlurmClusterResolver``), Kubernetes (``KubernetesClusterResolver``: a Kubeflow PyTorchJob, a JobSet or an
+indexed Job), or explicit values (``SimpleClusterResolver``).
+
 Under torchrun (``TorchrunClusterResolver``) every process is a ``worker`` unless ``num_ps`` > 0, in which
 case rank 0 is the ``chief``, ranks 1..num_ps are ``ps`` and the rest are ``worker`` (what
 ParameterServerStrategy expects). torchrun does not tell a process the others' addresses, so the cluster
@@ -34,6 +38,9 @@ __all__ = [
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
+    "SlurmClusterResolver",
+    "KubernetesClusterResolver",
+    "expand_hostlist",
     "RANKED_JOBS",
 ]
 
@@ -344,7 +351,7 @@ class TorchrunClusterResolver(ClusterResolver):
     """
 
     def __init__(self, num_ps: int = 0):
-        env = os.environ
+        env = self._launch_env()
         missing = [v for v in _TORCHRUN_VARS if v not in env]
         if missing:
             raise ValueError(
@@ -396,6 +403,10 @@ class TorchrunClusterResolver(ClusterResolver):
         else:
             self._spec = ClusterSpec({"worker": [f"rank:{r}" for r in range(self._world)]})
 
+    def _launch_env(self) -> Mapping[str, str]:
+        """The torchrun variables, as this launcher provides them (here: the environment itself)."""
+        return os.environ
+
     def cluster_spec(self) -> ClusterSpec:
         return self._spec
 
@@ -441,3 +452,192 @@ class TorchrunClusterResolver(ClusterResolver):
 
     def _master_address(self) -> str:
         return f"{self._master_addr}:{self._master_port}"
+
+
+# ------------------------------------------------------------------------------------------------ SLURM
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compressed host list, expanded in order: ``"node[01-03,7],gpu5"`` -> ``node01 node02 node03
+    node7 gpu5``. A range keeps its zero padding; several bracket groups in one name multiply out.
+
+    >>> expand_hostlist("node[01-03,7],gpu5")
+    ['node01', 'node02', 'node03', 'node7', 'gpu5']
+    >>> expand_hostlist("r[1-2]n[8-9]")
+    ['r1n8', 'r1n9', 'r2n8', 'r2n9']
+
+    Raises:
+        ValueError: unbalanced brackets, an empty name, or a range that runs backwards.
+    """
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ValueError(f"host list {hostlist!r}: unbalanced brackets")
+        if ch == "," and depth == 0:
+            names.extend(_expand_name(hostlist[start:i].strip(), hostlist))
+            start = i + 1
+    if depth:
+        raise ValueError(f"host list {hostlist!r}: unbalanced brackets")
+    return names
+
+
+def _expand_name(name: str, hostlist: str) -> list[str]:
+    if not name:
+        raise ValueError(f"host list {hostlist!r} has an empty host name")
+    head, sep, rest = name.partition("[")
+    if not sep:
+        return [name]
+    body, _, tail = rest.partition("]")
+    out: list[str] = []
+    for part in body.split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"host list {hostlist!r}: {part!r} is not a number or a range a-b")
+        if dash and int(hi) < int(lo):
+            raise ValueError(f"host list {hostlist!r}: range {part!r} runs backwards")
+        out.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi if dash else lo) + 1))
+    return [head + n + t for n in out for t in _expand_name(tail, hostlist)] if tail else [head + n for n in out]
+
+
+def _tasks_per_node(raw: str) -> list[int]:
+    """``SLURM_STEP_TASKS_PER_NODE``: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts = []
+    for part in raw.split(","):
+        count, _, rep = part.partition("(x")
+        if not count.isdigit() or (rep and not rep.rstrip(")").isdigit()):
+            raise ValueError(f"SlurmClusterResolver: SLURM tasks per node {raw!r} is not like '2(x3),1'")
+        counts += [int(count)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts
+
+
+def _slurm(env: Mapping[str, str], *names: str) -> str:
+    for name in names:
+        if env.get(name):
+            return env[name]
+    raise ValueError(f"SlurmClusterResolver: {' / '.join(names)} is not set: start each task with srun "
+                     "(e.g. `srun --ntasks-per-node=2 python train.py` inside an sbatch allocation)")
+
+
+class SlurmClusterResolver(SimpleClusterResolver):
+    """A task of a SLURM job step started by ``srun`` (TF's ``SlurmClusterResolver``).
+
+    Reads srun's variables: ``SLURM_PROCID`` (the rank), ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+    ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, expanded by
+    :func:`expand_hostlist`) and ``SLURM_STEP_TASKS_PER_NODE`` (else ``SLURM_TASKS_PER_NODE``). Tasks fill the
+    nodes in order (srun's block distribution); the i-th task on a node listens on ``port_base + i``. Task 0
+    is the rendezvous (``master_addr``/``master_port``).
+
+    Args:
+        jobs: tasks per job, e.g. ``{"chief": 1, "ps": 1, "worker": 2}``, filled in rank order (chief, ps,
+            worker); None: every task a ``worker``. The counts must add up to the step's tasks.
+        port_base: the first task port on each node.
+
+    Raises:
+        ValueError: a variable is missing or malformed, or ``jobs`` does not fit the step (named).
+
+    Example:
+        >>> env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+        ...        "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+        >>> r = SlurmClusterResolver(environ=env)
+        >>> r.rank, r.world_size, r.local_rank, r.master_addr, r.cluster_spec().task_address("worker", 3)
+        (3, 4, 1, 'node01', 'node02:8889')
+    """
+
+    def __init__(self, jobs: Mapping[str, int] | None = None, port_base: int = 8888, rpc_layer: str | None = None,
+                 environ: Mapping[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        try:
+            rank = int(_slurm(env, "SLURM_PROCID"))
+            world = int(_slurm(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+            self._local_rank = int(env.get("SLURM_LOCALID", "0"))
+            node = int(env.get("SLURM_NODEID", "0"))
+        except ValueError as exc:
+            if "SlurmClusterResolver" in str(exc):
+                raise
+            raise ValueError(f"SlurmClusterResolver: a SLURM task variable is not an integer ({exc})") from None
+        hosts = expand_hostlist(_slurm(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+        per_node = _tasks_per_node(_slurm(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+        if len(per_node) != len(hosts) or sum(per_node) != world:
+            raise ValueError(f"SlurmClusterResolver: {len(hosts)} nodes {hosts} with tasks per node {per_node} do "
+                             f"not make the step's {world} tasks")
+        if not 0 <= rank < world or not 0 <= node < len(hosts) or not 0 <= self._local_rank < per_node[node]:
+            raise ValueError(f"SlurmClusterResolver: SLURM_PROCID={rank}, SLURM_NODEID={node}, "
+                             f"SLURM_LOCALID={self._local_rank} do not fit {world} tasks on {hosts}")
+        if isinstance(port_base, bool) or not isinstance(port_base, int) or not 1 <= port_base <= 65535 - max(per_node):
+            raise ValueError(f"port_base must be a port leaving room for {max(per_node)} tasks, got {port_base!r}")
+        self._local_world = per_node[node]
+        addresses = [f"{h}:{port_base + i}" for h, n in zip(hosts, per_node, strict=True) for i in range(n)]
+        counts = dict(jobs) if jobs is not None else {"worker": world}
+        unknown = [j for j in counts if j not in RANKED_JOBS]
+        if unknown or sum(counts.values()) != world or any(n < 0 for n in counts.values()):
+            raise ValueError(f"SlurmClusterResolver: jobs {counts} must give {world} tasks to {RANKED_JOBS}")
+        spec: dict[str, list[str]] = {}
+        first = 0
+        for job in RANKED_JOBS:
+            if counts.get(job):
+                spec[job] = addresses[first:first + counts[job]]
+                if first <= rank < first + counts[job]:
+                    task_type, task_id = job, rank - first
+                first += counts[job]
+        super().__init__(spec, task_type=task_type, task_id=task_id, rpc_layer=rpc_layer, environment="slurm")
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._local_world
+
+
+# ------------------------------------------------------------------------------------------- Kubernetes
+class KubernetesClusterResolver(TorchrunClusterResolver):
+    """One process per pod on Kubernetes: a Kubeflow ``PyTorchJob``, a ``JobSet`` or an indexed ``Job``.
+
+    * PyTorchJob: the training operator sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+      in every pod (the master pod is rank 0).
+    * JobSet / indexed Job: the rank is the pod's ``JOB_COMPLETION_INDEX`` (Kubernetes sets it in an indexed
+      Job's pods) unless ``RANK`` is set; ``WORLD_SIZE`` is the Job's completions (set it in the pod spec);
+      ``MASTER_ADDR`` is pod 0's DNS name, else it is derived from ``JOBSET_NAME`` and ``REPLICATED_JOB_NAME``
+      (expose the labels ``jobset.sigs.k8s.io/jobset-name`` and ``replicatedjob-name`` through the downward
+      API) as JobSet names pods: ``<jobset>-<replicated job>-0-0.<subdomain>`` (``JOBSET_SUBDOMAIN``, default
+      the JobSet's name); ``MASTER_PORT`` defaults to ``port``.
+
+    Pods that run torchrun themselves (a PyTorchJob with ``nprocPerNode``) use ``TorchrunClusterResolver``.
+
+    Args:
+        num_ps: as for ``TorchrunClusterResolver``.
+        port: the rendezvous port when ``MASTER_PORT`` is not set.
+        environ: the environment to read (default ``os.environ``).
+
+    Example:
+        >>> env = {"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "4", "JOBSET_NAME": "train",
+        ...        "REPLICATED_JOB_NAME": "workers"}
+        >>> r = KubernetesClusterResolver(environ=env)
+        >>> r.rank, r.world_size, r.master_addr, r.master_port
+        (2, 4, 'train-workers-0-0.train', 29500)
+    """
+
+    def __init__(self, num_ps: int = 0, port: int = 29500, environ: Mapping[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        rank = env.get("RANK") or env.get("JOB_COMPLETION_INDEX")
+        master = env.get("MASTER_ADDR")
+        if not master and env.get("JOBSET_NAME") and env.get("REPLICATED_JOB_NAME"):
+            jobset = env["JOBSET_NAME"]
+            master = f"{jobset}-{env['REPLICATED_JOB_NAME']}-0-0.{env.get('JOBSET_SUBDOMAIN') or jobset}"
+        needed = (("RANK or JOB_COMPLETION_INDEX", rank), ("WORLD_SIZE", env.get("WORLD_SIZE")),
+                  ("MASTER_ADDR or JOBSET_NAME + REPLICATED_JOB_NAME", master))
+        missing = [name for name, value in needed if not value]
+        if missing:
+            raise ValueError(f"KubernetesClusterResolver: {', '.join(missing)} not set: run the pods as a Kubeflow "
+                             "PyTorchJob (which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or as a JobSet / "
+                             "indexed Job with WORLD_SIZE and MASTER_ADDR (or JOBSET_NAME, REPLICATED_JOB_NAME) "
+                             "in the pod spec")
+        self._env = {"RANK": str(rank), "WORLD_SIZE": env["WORLD_SIZE"], "MASTER_ADDR": str(master),
+                     "MASTER_PORT": env.get("MASTER_PORT") or str(port), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        super().__init__(num_ps)
+
+    def _launch_env(self) -> Mapping[str, str]:
+        return self._env

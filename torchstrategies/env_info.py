@@ -153,10 +153,14 @@ def _modules() -> dict[str, bool]:
         "torchstrategies.collectives",
         "torchstrategies.distribute",
         "torchstrategies.strategies",
+        "torchstrategies.parameter_server",
+        "torchstrategies.nn",
         "torchstrategies.checkpoint",
         "torchstrategies.bench.kernels",
         "torchstrategies.bench.allreduce",
         "torchstrategies.bench.train",
+        "torchstrategies.bench.train_ps",
+        "torchstrategies.bench.train_inproc",
     )
     return {n: importlib.util.find_spec(n) is not None for n in names}
 

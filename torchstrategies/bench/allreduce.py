@@ -33,6 +33,9 @@ DEFAULT_IMPLEMENTATIONS = ["gloo", "shm", "shm-comm", "shm-zero-copy", "dist-bac
 SIMULATED_HOSTS_IMPLEMENTATIONS = ["gloo", "ring", "hierarchical", "dist-backend", ROOFLINE]
 IMPLEMENTATIONS = DEFAULT_IMPLEMENTATIONS + ["hierarchical", "auto"]
 _SHM = ("shm", "shm-comm", "shm-zero-copy")
+# Rows that measure a reference, not something a user can choose (compare never recommends them): the
+# shared-memory communicator called directly, and the loopback roofline.
+REFERENCES = ("shm-comm", ROOFLINE)
 COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo",
            "fraction_of_roofline"]
 
@@ -166,7 +169,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
     meta = {"packed_seconds": data.get("packed"), "nproc": nproc, "load": load, "machine": data.get("machine"),
             "hosts": data.get("hosts") or [], "hierarchical_hosts": data.get("hierarchical_hosts"),
             "hierarchical_plan": data.get("hierarchical_plan"), "simulate_hosts": sim,
-            "rounds": data.get("rounds")}
+            "rounds": data.get("rounds"), "baselines": list(REFERENCES)}
     return BenchResult(title, COLUMNS, rows, _notes(data, nproc, bool(roof)), meta)
 
 

@@ -80,7 +80,10 @@ def run_bench(
         result = call_with_supported(run, f"{module.__name__}.run", opts)
     except click.ClickException:
         raise
-    except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
+    except ValueError as exc:
+        # The module refused a value the user gave (an unknown row, sizes that do not fit): a usage error.
+        raise click.UsageError(f"{module.__name__}.run: {exc}") from exc
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         # A benchmark that fails (a launch that died, a bad value) is one clear line, not a traceback.
         raise click.ClickException(f"{module.__name__}.run failed: {type(exc).__name__}: {exc}") from exc
     return result, module

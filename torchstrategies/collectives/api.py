@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar, Union, cast
 
@@ -41,6 +42,8 @@ from torchstrategies.collectives.options import CommunicationImplementation as I
 from torchstrategies.collectives.options import CommunicationOptions
 from torchstrategies.collectives.packing import Pack, make_packs
 from torchstrategies.reduce_op import ReduceOp
+
+_log = logging.getLogger("torchstrategies.collectives")
 
 __all__ = ["all_reduce", "all_reduce_", "all_reduce_async", "all_gather", "broadcast", "buffer", "choose",
            "new_group"]
@@ -84,8 +87,18 @@ def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] 
     if opts.implementation is Impl.AUTO and torch.cuda.is_available():
         # CUDA tensors to NCCL, CPU ones to ours (AUTO: no options object, which NCCL's creator would refuse)
         return dist.new_group(members, timeout=timeout, backend=f"cpu:{_backend.BACKEND},cuda:nccl")
-    return dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
-                          pg_options=_backend.BackendOptions(opts.implementation, seconds))
+    g = dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
+                       pg_options=_backend.BackendOptions(opts.implementation, seconds))
+    own = _cpu_backend(g) if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER else None
+    if own is not None:
+        _log_choice(_C.backend_plan(own)[0], opts.implementation, g)
+    return g
+
+
+def _log_choice(chosen: str, asked: Impl, g: dist.ProcessGroup) -> None:
+    """The one INFO record saying which implementation a group's collectives run (docs/logging.md)."""
+    _log.info("implementation %s (asked %s) for %d ranks of %s", chosen, asked.name, dist.get_world_size(g),
+              topology.describe_group(g))
 
 
 def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
@@ -107,6 +120,7 @@ def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
         per[(impl, cuda)] = exc
         raise
     per[(impl, cuda)] = made
+    _log_choice(_C.backend_plan(made.obj)[0] if made.ours else ("NCCL" if cuda else "GLOO"), impl, g)
     return made
 
 

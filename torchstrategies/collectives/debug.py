@@ -11,7 +11,7 @@ mismatch.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,18 +23,11 @@ from torchstrategies.reduce_op import ReduceOp
 __all__ = ["enabled", "check", "agree_on_first_use"]
 
 _ENV = "TORCHSTRATEGIES_DEBUG"
-# os.environ.get costs ~1-2 us (it encodes the key every call); the hot path asks on every collective,
-# so read the encoded mapping behind os.environ directly (it is what os.environ updates).
-_RAW: Mapping[object, object] | None = getattr(os.environ, "_data", None)
-_RAW_KEY = os.environ.encodekey(_ENV) if _RAW is not None and hasattr(os.environ, "encodekey") else None
-_OFF = {b"", b"0", b"false", b"False", "", "0", "false", "False"}
 
 
 def enabled() -> bool:
-    """True if TORCHSTRATEGIES_DEBUG is set to something other than "", "0" or "false"."""
-    if _RAW is not None and _RAW_KEY is not None:
-        v = _RAW.get(_RAW_KEY)
-        return v is not None and v not in _OFF
+    """True if TORCHSTRATEGIES_DEBUG is set to something other than "", "0" or "false" (read when a group
+    is first used, not per call)."""
     return os.environ.get(_ENV, "") not in ("", "0", "false", "False")
 
 

@@ -38,8 +38,9 @@ class CommunicationImplementation(enum.Enum):
     @classmethod
     def from_any(cls, value: CommunicationImplementation | str) -> CommunicationImplementation:
         """Accepts the enum or its name in any case; raises ValueError otherwise."""
+        offered = ", ".join(n for n in cls.__members__ if n != "TREE")  # TREE was removed: never offered
         return parse(cls, value,
-                     "Invalid communication implementation {value}: expected one of {names} (or their names)")
+                     "Invalid communication implementation {value}: expected one of " + offered + " (or their names)")
 
 
 class CommunicationOptions:

@@ -1,7 +1,9 @@
 """The creation tracker behind ``strategy.scope()``.
 
-Global torch hooks, installed once on import, that forward to the strategy whose scope is current in the
-calling thread (cross-replica context of a non-default strategy); outside such a scope they do nothing:
+Global torch hooks that forward to the strategy whose scope is current in the calling thread (cross-replica
+context of a non-default strategy); outside such a scope they do nothing. They are the patch set
+``PATCHES`` (``distribute/torch_patches.py``): installed when the first strategy is made, removed when the
+last one is shut down or collected:
 
 * ``torch.nn.modules.module.register_module_parameter_registration_hook`` ->
   ``extended._create_parameter(module, name, param)`` (may return a replacement Parameter);
@@ -21,7 +23,7 @@ strategy exits, or at the next ``strategy.run``, whichever comes first.
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,14 +31,13 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from torchstrategies.distribute import context
+from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchstrategies.distribute.distribute_lib import StrategyExtended
 
-__all__ = ["install", "current_extended"]
+__all__ = ["PATCHES", "current_extended"]
 
-_log = logging.getLogger("torchstrategies.distribute")
-_installed = False
 T = TypeVar("T", bound=torch.Tensor)
 
 
@@ -80,12 +81,8 @@ def _module_hook(module: torch.nn.Module, name: str, submodule: torch.nn.Module 
     return None
 
 
-def _wrap_optimizer_init() -> None:
-    cls = torch.optim.Optimizer
-    orig = cls.__init__
-    if getattr(orig, "_torchstrategies_wrapped", False):
-        return
-
+def _optimizer_init(orig: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(orig)
     def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:  # torch's own signature
         orig(self, *args, **kwargs)
         ext = current_extended()
@@ -93,38 +90,25 @@ def _wrap_optimizer_init() -> None:
             setattr(self, "_torchstrategies_seen", True)  # noqa: B010 - a mark on torch's class, not typed there
             ext._on_optimizer_created(self)
 
-    __init__._torchstrategies_wrapped = True  # type: ignore[attr-defined]
-    __init__.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    return __init__
 
 
-def _wrap_module_setstate() -> None:
-    cls = torch.nn.Module
-    orig = cls.__setstate__
-    if getattr(orig, "_torchstrategies_wrapped", False):
-        return
-
+def _module_setstate(orig: Callable[[torch.nn.Module, dict], None]) -> Callable[[torch.nn.Module, dict], None]:
+    @functools.wraps(orig)
     def __setstate__(self: torch.nn.Module, state: dict) -> None:
         orig(self, state)
         ext = current_extended()
         if ext is not None:
             ext._track_module(self)
 
-    __setstate__._torchstrategies_wrapped = True  # type: ignore[attr-defined]
-    __setstate__.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls.__setstate__ = __setstate__  # type: ignore[method-assign]
+    return __setstate__
 
 
-def install() -> None:
-    """Installs the global hooks (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    # torch annotates these hooks as returning None, but uses a returned tensor as the replacement.
-    _module_mod.register_module_parameter_registration_hook(_parameter_hook)  # type: ignore[arg-type]
-    _module_mod.register_module_buffer_registration_hook(_buffer_hook)  # type: ignore[arg-type]
-    _module_mod.register_module_module_registration_hook(_module_hook)
-    _wrap_optimizer_init()
-    _wrap_module_setstate()
-    _installed = True
-    _log.debug("creation hooks installed")
+# torch annotates the registration hooks as returning None, but uses a returned tensor as the replacement.
+PATCHES = PatchSet("creation", [
+    lambda: _module_mod.register_module_parameter_registration_hook(_parameter_hook).remove,  # type: ignore[arg-type]
+    lambda: _module_mod.register_module_buffer_registration_hook(_buffer_hook).remove,  # type: ignore[arg-type]
+    lambda: _module_mod.register_module_module_registration_hook(_module_hook).remove,
+    lambda: wrap_attribute(torch.optim.Optimizer, "__init__", _optimizer_init),
+    lambda: wrap_attribute(torch.nn.Module, "__setstate__", _module_setstate),
+])

@@ -89,9 +89,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
@@ -101,6 +102,7 @@ from torchstrategies.distribute import context, creation, device_util
 from torchstrategies.distribute.context import _Mode, current_mode, has_strategy, pop_mode, push_mode
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
+from torchstrategies.distribute.torch_patches import Lease
 from torchstrategies.distribute.values import (
     Destinations,
     DistributedValues,
@@ -495,7 +497,13 @@ class StrategyExtended:
         self._parameter_devices: tuple[torch.device, ...] | None = None
         if container_strategy is not None:
             self._set_container(container_strategy)
-        creation.install()
+        # torch's globals this strategy needs, held while it lives (distribute/torch_patches.py).
+        self._torch_leases: list[Lease] = [] if self._is_default else [creation.PATCHES.acquire(self)]
+
+    def _release_torch_patches(self) -> None:
+        """Gives back this strategy's claim on torch's globals (``shutdown()``; also done when collected)."""
+        for lease in self._torch_leases:
+            lease.release()
 
     def _set_container(self, strategy: Strategy) -> None:
         self._container_ref = weakref.ref(strategy)
@@ -572,6 +580,52 @@ class StrategyExtended:
         """Whether ``v`` (a parameter, buffer or ts.Variable) was created inside this strategy's scope."""
         return self._created_vars.get(id(v)) is v
 
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: object) -> Iterator[None]:
+        """A context in which new variables are placed with ``colocate_with_variable`` (TF's
+        ``colocate_vars_with``), which must have been created in this strategy's scope.
+
+        The in-process and multi-worker strategies place every variable on the same devices, so
+        variables made in the context are colocated with it already; ParameterServerStrategy still
+        places them round-robin over the ps tasks.
+
+        Raises:
+            RuntimeError: not in this strategy's scope.
+            ValueError: ``colocate_with_variable`` was not created in this strategy's scope.
+
+        Example:
+            >>> import torchstrategies as ts
+            >>> s = ts.OneDeviceStrategy("cpu")
+            >>> with s.scope():
+            ...     v = ts.Variable(1.0)
+            ...     with s.extended.colocate_vars_with(v):
+            ...         w = ts.Variable(2.0)
+        """
+        mode = current_mode()
+        if mode.strategy is not self._container_strategy():
+            _wrong_strategy_scope(self._container_strategy(), mode)
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(
+                "`colocate_vars_with` must only be passed a variable created in this "
+                f"tf.distribute.Strategy.scope(), not: {colocate_with_variable!r}"
+            )
+        yield
+
+    def value_container(self, value: object) -> object:
+        """The variable ``value`` is a component of (e.g. what ``update`` handed ``fn``), else ``value``.
+
+        TF's rule holds: ``value`` is in ``experimental_local_results(value_container(value))``.
+        """
+        from torchstrategies.distribute.variables import Variable
+
+        if self.variable_created_in_scope(value) or not isinstance(value, (torch.Tensor, Variable)):
+            return value
+        tensor = value._components[0] if isinstance(value, Variable) and len(value.values) == 1 else value
+        for v in list(self._created_vars.values()):
+            if isinstance(v, Variable) and any(c is tensor for c in v.values):
+                return v
+        return value
+
     def _register_created_variable(self, v: object) -> None:
         try:
             self._created_vars[id(v)] = v
@@ -647,6 +701,10 @@ class StrategyExtended:
         return PerReplica(results) if len(results) > 1 else results[0]
 
     def _update_components(self, var: Variable | torch.Tensor | DistributedValues[object]) -> tuple[object, ...]:
+        from torchstrategies.distribute.variables import DistributedVariable, component_variables
+
+        if isinstance(var, DistributedVariable):
+            return component_variables(var)  # fn gets a variable, as in TF
         return local_results(var)
 
     def _local_results(self, value: object) -> tuple[Any, ...]:

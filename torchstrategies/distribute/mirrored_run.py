@@ -111,6 +111,7 @@ class _Worker(threading.Thread):
             replica = self.replica
             if replica is not None:
                 replica.execute()
+            replica = None  # an idle thread keeps no run, hence no strategy, alive
             self.back.release()
 
 

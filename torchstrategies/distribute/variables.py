@@ -237,6 +237,14 @@ class Variable:
         a = self.numpy()
         return a.astype(dtype) if dtype is not None else a
 
+    # torch.as_tensor / torch.tensor take a variable through DLPack (a read of its value, as TF's
+    # convert_to_tensor), not as a sequence.
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.read_value().detach().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._read().__dlpack_device__()
+
     def __float__(self) -> float:
         return float(self._read())
 
@@ -294,6 +302,27 @@ Variable.__hash__ = object.__hash__  # type: ignore[assignment]
 
 class _LocalVariable(Variable):
     """One tensor, no distribution."""
+
+
+def _writer(f: _Write) -> Callable[[Variable | torch.Tensor, VariableValue], object]:
+    """``f`` as an ``extended.update`` function: it gets a component variable (or tensor) and a value."""
+
+    def write(c: Variable | torch.Tensor, v: VariableValue) -> object:
+        comp = c._components[0] if isinstance(c, Variable) else c
+        return f(comp, _value_for(v, comp))
+
+    return write
+
+
+def component_variables(var: Variable) -> tuple[Variable, ...]:
+    """Each component of ``var`` as a variable of its own (the same tensor, not a copy): what
+    ``extended.update`` hands ``fn``, as TF hands it each component variable."""
+    out = []
+    for c in var.values:
+        v = _LocalVariable.__new__(_LocalVariable)
+        v._setup([c], var.synchronization, var.aggregation, var.trainable, var.name, var._strategy)
+        out.append(v)
+    return tuple(out)
 
 
 def _new_local(
@@ -362,7 +391,7 @@ class MirroredVariable(DistributedVariable):
                     f"Mixing different tf.distribute.Strategy objects: {context_strategy} is not {strategy}"
                 )
             with strategy.scope():
-                strategy.extended.update(self, lambda c, v: f(c, _value_for(v, c)), args=(value,))
+                strategy.extended.update(self, _writer(f), args=(value,))
             return self
         if self.aggregation == VariableAggregation.NONE:
             if len(self._components) == 1 and strategy.extended._num_local_replicas > 1:
@@ -377,7 +406,7 @@ class MirroredVariable(DistributedVariable):
 
         def merge_fn(strategy: Strategy, v: DistributedValues[VariableValue] | VariableValue) -> None:
             reduced = _apply_aggregation(strategy, v, agg, self)
-            strategy.extended.update(self, lambda c, r: f(c, _value_for(r, c)), args=(reduced,))
+            strategy.extended.update(self, _writer(f), args=(reduced,))
             return None
 
         context.get_replica_context().merge_call(merge_fn, args=(value,))  # type: ignore[union-attr]

@@ -180,6 +180,7 @@ class ParameterServerStrategy(Strategy):
             return
         self._closed = True
         self._stopping.set()
+        self._extended._release_torch_patches()
         limit = min(5.0, self._timeout)
         self._hb_thread.join()
         with self._hb_lock:

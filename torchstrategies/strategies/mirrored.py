@@ -36,8 +36,9 @@ from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, 
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.mirrored_run import call_for_each_replica, current_replica, merge_call
 from torchstrategies.distribute.replicated import ReplicatedTensors
+from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
-from torchstrategies.distribute.variables import Variable, create_distributed_variable
+from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies.one_device import canonical_device
 
@@ -90,14 +91,11 @@ def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], k
     )
 
 
-def _once_per_step(cls: type, name: str) -> None:
-    """Makes ``cls.name`` a merge_call inside an in-process replica: it runs once per step, in
-    cross-replica context, on the replicas' summed gradients (GradScaler.unscale_/step/update: a
-    non-finite gradient on any replica makes the sum non-finite, so no replica steps and the scale is
-    updated once, TF's LossScaleOptimizer rule; LRScheduler.step: the schedule advances once)."""
-    orig = getattr(cls, name)
-    if getattr(orig, "_torchstrategies_wrapped", False):
-        return
+def _once_per_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig`` as a merge_call inside an in-process replica: it runs once per step, in cross-replica
+    context, on the replicas' summed gradients (GradScaler.unscale_/step/update: a non-finite gradient on
+    any replica makes the sum non-finite, so no replica steps and the scale is updated once, TF's
+    LossScaleOptimizer rule; LRScheduler.step: the schedule advances once)."""
 
     @functools.wraps(orig)
     def method(self: object, *args: object, **kwargs: object) -> Any:
@@ -106,16 +104,17 @@ def _once_per_step(cls: type, name: str) -> None:
             return orig(self, *args, **kwargs)
         return merge_call(replica, lambda strategy: orig(self, *args, **kwargs), (), {})
 
-    method._torchstrategies_wrapped = True  # type: ignore[attr-defined]
-    setattr(cls, name, method)
+    return method
 
 
-@functools.cache
-def _install_global_hooks() -> None:
-    register_optimizer_step_pre_hook(_outside_scope_guard)
-    for name in ("unscale_", "step", "update"):
-        _once_per_step(torch.amp.GradScaler, name)
-    _once_per_step(torch.optim.lr_scheduler.LRScheduler, "step")
+# torch's globals the in-process strategies need while one lives (distribute/torch_patches.py); each
+# optimizer class made in a scope has its ``step`` wrapped too (``_merged_step``), undone with the set.
+PATCHES = PatchSet("in-process replicas", [
+    lambda: register_optimizer_step_pre_hook(_outside_scope_guard).remove,
+    *(functools.partial(wrap_attribute, torch.amp.GradScaler, name, _once_per_step)
+      for name in ("unscale_", "step", "update")),
+    lambda: wrap_attribute(torch.optim.lr_scheduler.LRScheduler, "step", _once_per_step),
+])
 
 
 class MirroredExtended(StrategyExtended):
@@ -143,7 +142,7 @@ class MirroredExtended(StrategyExtended):
         self._replicated = ReplicatedTensors(self._worker_devices, self._cross_device_ops)
         # One replica computing where the variables live: it computes with them as they are.
         self._one_view = self._worker_devices == (self._variable_device,)
-        _install_global_hooks()
+        self._torch_leases.append(PATCHES.acquire(self))
 
     # -- running ----------------------------------------------------------------------------------
     def _call_for_each_replica(self, fn: Callable[..., object], args: tuple, kwargs: dict) -> Any:
@@ -209,9 +208,8 @@ class MirroredExtended(StrategyExtended):
     def _update_components(self, var: Variable | torch.Tensor | DistributedValues[object]) -> tuple[object, ...]:
         if isinstance(var, torch.Tensor) and not isinstance(var, DistributedValues):
             return (var,)  # a replicated tensor: its primary (the components follow at their next turn)
-        comps = getattr(var, "_components", None)
-        if comps is not None:
-            return tuple(comps)
+        if isinstance(var, Variable):
+            return component_variables(var)  # fn gets a variable, as under OneDevice and in TF
         return local_results(var)
 
     # -- creation ---------------------------------------------------------------------------------
@@ -242,17 +240,15 @@ class MirroredExtended(StrategyExtended):
         update of the primaries from the replicas' summed gradients (``_merged_step``)."""
         self._replicated.add_optimizer(optimizer)
         optimizer._torchstrategies_replicated = self._replicated  # type: ignore[attr-defined]
-        _merged_step(type(optimizer))
+        if not getattr(type(optimizer).step, "_torchstrategies_wrapped", False):
+            PATCHES.add(functools.partial(wrap_attribute, type(optimizer), "step", _merged_step))
 
 
-def _merged_step(cls: type) -> None:
-    """Wraps ``cls.step`` (once per optimizer class, so no optimizer holds a method bound to itself): for an
-    optimizer made in an in-process strategy's scope, a step inside ``run`` is a merge_call that updates
-    once, in cross-replica context, and every step marks the parameters it wrote for the replicas' seed
-    (fused optimizers move no version counter)."""
-    orig = cls.step  # type: ignore[attr-defined]
-    if getattr(orig, "_torchstrategies_wrapped", False):
-        return
+def _merged_step(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig``, an optimizer class's ``step`` (wrapped once per class, so no optimizer holds a method bound
+    to itself), such that for an optimizer made in an in-process strategy's scope, a step inside ``run`` is
+    a merge_call that updates once, in cross-replica context, and every step marks the parameters it wrote
+    for the replicas' seed (fused optimizers move no version counter)."""
 
     @functools.wraps(orig)
     def step(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> Any:
@@ -269,7 +265,7 @@ def _merged_step(cls: type) -> None:
         return result
 
     step._torchstrategies_wrapped = True  # type: ignore[attr-defined]
-    cls.step = step  # type: ignore[attr-defined]
+    return step
 
 
 def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Strategy], object]:

@@ -53,6 +53,7 @@ from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
+from torchstrategies.distribute.torch_patches import PatchSet
 from torchstrategies.distribute.values import (
     Destinations,
     DistributedValues,
@@ -111,6 +112,12 @@ def _import_dynamo_first() -> None:
         pass
 
 
+def _shutdown_at_exit(ref: weakref.ref[MultiWorkerMirroredExtended]) -> None:
+    extended = ref()
+    if extended is not None:
+        extended.shutdown()
+
+
 def _default_resolver() -> ClusterResolver:
     if "RANK" in os.environ or "TF_CONFIG" not in os.environ:
         return TorchrunClusterResolver()
@@ -153,10 +160,13 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._comm_hook: Hook | None = None if self._compression is None else CompressionHook(self._compression)
         # Tensors already broadcast, by identity that dies with them (an id() would be reused by a new one).
         self._synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._hooks = [register_optimizer_step_pre_hook(self._synchronizers.before_step)]
+        before_step = self._synchronizers.before_step
+        self._torch_leases.append(PatchSet(
+            "MultiWorkerMirroredStrategy", [lambda: register_optimizer_step_pre_hook(before_step).remove]
+        ).acquire(self))
         self._closed = False
         _LIVE.add(self)
-        atexit.register(self.shutdown)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         log.info("MultiWorkerMirroredStrategy: rank %d of %d on %s, %r", self._rank, self._world, self._device,
                  self._cross_device_ops)
 
@@ -241,8 +251,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return
         self._closed = True
         _LIVE.discard(self)
-        for h in self._hooks:
-            h.remove()
+        self._release_torch_patches()
         self._synchronizers.close()
         self._health.stop()
         if dist.is_initialized():
@@ -253,8 +262,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
         self._store = None
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.shutdown)
 
     # --- properties ---------------------------------------------------------------------------------------
     @property

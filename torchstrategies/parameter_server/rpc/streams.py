@@ -182,12 +182,14 @@ class _OwnThreadStream(_Stream):
             self._next()
 
 
-_use_own_thread = os.environ.get("TORCHSTRATEGIES_PS_STREAM", "own-thread") != "queue"
+# grpcio's Cython layer is not its public API: the own-thread streams are a switch the user turns on
+# (TORCHSTRATEGIES_PS_STREAM=own-thread, docs/parameter_server.md), never a default.
+_use_own_thread = os.environ.get("TORCHSTRATEGIES_PS_STREAM", "queue") == "own-thread"
 
 
 def open_stream(channel: grpc.Channel, path: str, metadata: tuple[tuple[str, str], ...]) -> _Stream:
-    """A new stream of method ``path``: :class:`_OwnThreadStream`, or :class:`_QueueStream` where grpcio's
-    internals differ (or ``TORCHSTRATEGIES_PS_STREAM=queue``)."""
+    """A new stream of method ``path``: :class:`_QueueStream` (gRPC's public API), or with
+    ``TORCHSTRATEGIES_PS_STREAM=own-thread`` :class:`_OwnThreadStream` where grpcio's internals allow."""
     global _use_own_thread
     if _use_own_thread:
         try:

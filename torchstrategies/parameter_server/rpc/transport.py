@@ -101,16 +101,17 @@ _malloc_tuned = False
 
 
 def tune_malloc() -> None:
-    """Keeps freed large buffers in the heap instead of returning them to the kernel (glibc only).
+    """With ``TORCHSTRATEGIES_PS_TUNE_MALLOC=1`` only: keeps freed large buffers in the heap instead of
+    returning them to the kernel (glibc only).
 
     Every gRPC message of a few MB is copied through fresh buffers (the request bytes, gRPC's slices, the
     reply bytes); with glibc's defaults each is a new ``mmap`` whose pages fault in and are zeroed on first
-    touch, which costs more than the copy itself. Raising the mmap threshold to its maximum (32 MiB) and the
-    trim threshold lets the heap reuse those pages. Called once by every parameter-server task; set
-    ``TORCHSTRATEGIES_PS_TUNE_MALLOC=0`` to leave malloc alone.
+    touch. Raising the mmap threshold to its maximum (32 MiB) and the trim threshold lets the heap reuse
+    those pages. ``mallopt`` changes the whole process's allocator, not only this library's buffers, so it
+    is a switch the user turns on (docs/parameter_server.md), never a default.
     """
     global _malloc_tuned
-    if _malloc_tuned or os.environ.get("TORCHSTRATEGIES_PS_TUNE_MALLOC", "1") == "0":
+    if _malloc_tuned or os.environ.get("TORCHSTRATEGIES_PS_TUNE_MALLOC", "0") != "1":
         return
     _malloc_tuned = True
     try:
