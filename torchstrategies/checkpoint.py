@@ -40,13 +40,14 @@ import sys
 import uuid
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
+from torchstrategies._checkpoint_state import RandomState, from_bytes, gather_per_rank, job_module_state, to_bytes
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
-__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RESTARTABLE_EXIT_CODE"]
+__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE"]
 
 log = logging.getLogger("torchstrategies.checkpoint")
 
@@ -83,35 +84,99 @@ def _is_variable(obj: object) -> bool:
     return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
 
 
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+_ACCEPTS = ("torch.nn.Module, torch.optim.Optimizer, an object with state_dict() and load_state_dict() (an LR "
+            "scheduler, torch.amp.GradScaler, a distributed dataset, torchdata's StatefulDataLoader), "
+            "ts.checkpoint.RandomState(), torch.Generator, ts.Variable or int")
+
+
+def _kind(name: str, obj: object) -> str:
+    """How the checkpoint keeps ``obj`` (raises TypeError, naming it and what is accepted, if it cannot)."""
+    if isinstance(obj, bool):
+        raise TypeError(f"Checkpoint: {name}={obj!r} is a bool; it accepts {_ACCEPTS}")
+    if isinstance(obj, int):
+        return "int"
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (RandomState, torch.Generator)):
+        return "per_rank"
+    if _is_variable(obj):
+        return "variable"
+    if _is_stateful(obj):
+        return "stateful"
+    if hasattr(obj, "restore_position"):
+        return "dataset"
+    hint = ""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        hint = " (for a DataLoader, pass strategy.experimental_distribute_dataset(loader): it keeps its position)"
+    raise TypeError(f"Checkpoint: {name}={type(obj).__name__} cannot be saved{hint}; it accepts {_ACCEPTS}")
+
+
+def _rank_world(ext: MultiWorkerMirroredExtended | None) -> tuple[int, int]:
+    return (0, 1) if ext is None else (ext.rank, ext.world_size)
+
+
+def _per_rank_state(obj: RandomState | torch.Generator) -> object:
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def _restore_per_rank(name: str, obj: RandomState | torch.Generator, ranks: list[bytes],
+                      ext: MultiWorkerMirroredExtended | None) -> None:
+    rank, world = _rank_world(ext)
+    if len(ranks) != world:
+        log.warning("Checkpoint: %s was saved by %d ranks, restored on %d: rank %d takes saved rank %d's state "
+                    "(random draws go on, but not as any uninterrupted run)", name, len(ranks), world, rank,
+                    rank % len(ranks))
+    state = from_bytes(ranks[rank % len(ranks)])
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    else:
+        obj.load_state_dict(state)
+
+
 class Checkpoint:
     """Groups the objects to save; ints are kept as attributes (``ckpt.step``).
 
+    What each kind saves: a module its ``state_dict`` under the buffer rule (floating buffers are ON_READ /
+    MEAN: the cross-worker mean; integer buffers must be equal on every worker, else a ValueError names
+    the buffer), the same whichever worker writes; an optimizer, an LR scheduler, a ``GradScaler``, a
+    distributed dataset (its position and seed) or any object with ``state_dict`` / ``load_state_dict``:
+    that state; :class:`RandomState` and a ``torch.Generator``: EVERY worker's state, each restored to the
+    worker of the same rank; a ``ts.Variable`` its (ON_READ: aggregated) value; an int itself.
+
     Args:
-        **objects: ``torch.nn.Module``, ``torch.optim.Optimizer``, distributed datasets (with ``position`` /
-            ``restore_position``), ``ts.Variable`` or ``int`` values.
+        **objects: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``, distributed datasets,
+            :class:`RandomState`, ``torch.Generator``, ``ts.Variable``, other objects with ``state_dict`` and
+            ``load_state_dict``, or ``int`` values.
 
     Raises:
-        TypeError: an object of another kind.
+        TypeError: an object it cannot save, naming it and what it accepts.
 
     Example:
-        >>> ckpt = Checkpoint(model=torch.nn.Linear(1, 1), step=3)
+        >>> model = torch.nn.Linear(1, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+        >>> ckpt = Checkpoint(model=model, optimizer=opt, sched=sched, rng=RandomState(), step=3)
         >>> ckpt.step
         3
     """
 
     def __init__(self, **objects: object):
         self._objects: dict[str, Any] = {}
+        self._kinds: dict[str, str] = {}
         self._ints: dict[str, int] = {}
         for name, obj in objects.items():
-            if isinstance(obj, bool) or not isinstance(obj, int):
-                if not (isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or _is_variable(obj)
-                        or hasattr(obj, "restore_position")):
-                    raise TypeError(
-                        f"Checkpoint: {name}={type(obj).__name__} is not a module, optimizer, distributed dataset, "
-                        "ts.Variable or int")
-                self._objects[name] = obj
+            kind = _kind(name, obj)
+            if kind == "int":
+                self._ints[name] = int(cast(int, obj))
             else:
-                self._ints[name] = int(obj)
+                self._objects[name] = obj
+                self._kinds[name] = kind
 
     def __getattr__(self, name: str) -> Any:
         ints = self.__dict__.get("_ints", {})
@@ -134,18 +199,39 @@ class Checkpoint:
     def _state(self, ext: MultiWorkerMirroredExtended | None) -> dict[str, Any]:
         state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": {}}
         for name, obj in self._objects.items():
-            if isinstance(obj, torch.nn.Module):
-                sd = obj.state_dict()
-                if ext is not None:
-                    sd = _mean_buffers(ext, obj, sd)
-                state["objects"][name] = {"kind": "module", "state": sd}
-            elif isinstance(obj, torch.optim.Optimizer):
-                state["objects"][name] = {"kind": "optimizer", "state": obj.state_dict()}
-            elif _is_variable(obj):
-                state["objects"][name] = {"kind": "variable", "state": _read_variable(ext, obj)}
-            else:
-                state["objects"][name] = {"kind": "dataset", "state": list(obj.position)}
+            kind = self._kinds[name]
+            entry: dict[str, Any] = {"kind": kind}
+            if kind == "module":
+                entry["state"] = job_module_state(ext, name, obj)
+            elif kind == "variable":
+                entry["state"] = _read_variable(ext, obj)
+            elif kind == "per_rank":
+                entry["ranks"] = gather_per_rank(ext, to_bytes(_per_rank_state(obj)))
+            elif kind == "dataset":
+                entry["state"] = list(obj.position)
+            else:  # optimizer, stateful
+                entry["state"] = obj.state_dict()
+            state["objects"][name] = entry
         return state
+
+    def _load(self, targets: dict[str, Any], objects: dict[str, Any], ints: dict[str, Any], where: str) -> None:
+        missing = [n for n in targets if n not in objects]
+        if missing:
+            raise ValueError(f"Checkpoint: {where} has no entry for {missing}")
+        ext = _mwms_extended()
+        for name, obj in targets.items():
+            entry = objects[name]
+            if entry["kind"] == "per_rank":
+                _restore_per_rank(name, obj, entry["ranks"], ext)
+            elif entry["kind"] == "variable":
+                _restore_variable(ext, obj, entry["state"])
+            elif entry["kind"] == "dataset" and isinstance(entry["state"], list):
+                obj.restore_position(*entry["state"])  # a checkpoint written before datasets had state_dict
+            else:
+                obj.load_state_dict(entry["state"])
+        for k, v in ints.items():
+            if k in self._ints:
+                self._ints[k] = int(v)
 
     def save(self, path: str) -> str:
         """Writes a checkpoint to ``path`` (chief only, atomically); a collective under MultiWorkerMirrored."""
@@ -167,26 +253,80 @@ class Checkpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"Checkpoint.restore: {path!r} is not a torchstrategies checkpoint")
-        ext = _mwms_extended()
-        missing = [n for n in self._objects if n not in state["objects"]]
-        if missing:
-            raise ValueError(f"Checkpoint.restore: {path!r} has no entry for {missing}")
-        for name, obj in self._objects.items():
-            entry = state["objects"][name]
-            if isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(entry["state"])
-            elif isinstance(obj, torch.optim.Optimizer):
-                obj.load_state_dict(entry["state"])
-            elif _is_variable(obj):
-                _restore_variable(ext, obj, entry["state"])
-            else:
-                obj.restore_position(*entry["state"])
-        for k, v in state["ints"].items():
-            if k in self._ints:
-                self._ints[k] = int(v)
+        self._load(self._objects, state["objects"], state["ints"], repr(path))
         return self
 
     read = restore
+
+    # --- torch.distributed.checkpoint (DCP) ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state for ``torch.distributed.checkpoint`` (this makes a Checkpoint DCP-``Stateful``).
+
+        Keys are the names given to the constructor; a module's value is its ``state_dict`` under the buffer
+        rule, an optimizer's is ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (keyed
+        by parameter names, as a DDP/FSDP job saves it; it needs the optimizer's module in the same
+        Checkpoint), per-rank random state is every rank's (one bytes object). The same on every worker,
+        so DCP writes each entry once. A collective under MultiWorkerMirroredStrategy.
+
+        Example:
+            >>> import torch.distributed.checkpoint as dcp                          # doctest: +SKIP
+            >>> dcp.save(ckpt.state_dict(), checkpoint_id=path,                      # doctest: +SKIP
+            ...          process_group=strategy.extended.process_group)
+            >>> state = ckpt.state_dict()                                            # doctest: +SKIP
+            >>> dcp.load(state, checkpoint_id=path, process_group=strategy.extended.process_group)  # doctest: +SKIP
+            >>> ckpt.load_state_dict(state)                                          # doctest: +SKIP
+        """
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        ext = _mwms_extended()
+        out: dict[str, Any] = dict(self._ints)
+        for name, obj in self._objects.items():
+            kind = self._kinds[name]
+            if kind == "optimizer":
+                out[name] = get_optimizer_state_dict(self._owner(name, obj), obj)
+            elif kind == "per_rank":
+                out[name] = to_bytes(gather_per_rank(ext, to_bytes(_per_rank_state(obj))))
+            elif kind == "module":
+                out[name] = job_module_state(ext, name, obj)
+            else:
+                out[name] = self._state_of(ext, name, obj)
+        return out
+
+    def _state_of(self, ext: MultiWorkerMirroredExtended | None, name: str, obj: Any) -> Any:
+        kind = self._kinds[name]
+        if kind == "variable":
+            return _read_variable(ext, obj)
+        if kind == "dataset":
+            return list(obj.position)
+        return obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` gave (after ``torch.distributed.checkpoint.load`` filled it in)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        missing = [n for n in self._objects if n not in state]
+        if missing:
+            raise ValueError(f"Checkpoint.load_state_dict: the state has no entry for {missing}")
+        rest: dict[str, Any] = {}
+        entries: dict[str, Any] = {}
+        for name, obj in self._objects.items():
+            kind = self._kinds[name]
+            if kind == "optimizer":
+                set_optimizer_state_dict(self._owner(name, obj), obj, state[name])
+            else:
+                rest[name] = obj
+                entries[name] = ({"kind": kind, "ranks": from_bytes(state[name])} if kind == "per_rank"
+                                 else {"kind": kind, "state": state[name]})
+        self._load(rest, entries, {k: state[k] for k in self._ints if k in state}, "the state")
+
+    def _owner(self, name: str, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The module of this checkpoint that holds every parameter of ``optimizer``."""
+        wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module) and wanted <= {id(p) for p in obj.parameters()}:
+                return obj
+        raise ValueError(f"Checkpoint.state_dict: optimizer {name} needs its module in the same Checkpoint "
+                         "(DCP keys optimizer state by parameter name)")
 
 
 def _atomic_save(state: dict[str, Any], path: str) -> None:
@@ -199,18 +339,6 @@ def _atomic_save(state: dict[str, Any], path: str) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _mean_buffers(ext: MultiWorkerMirroredExtended, module: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
-    """Buffers are ON_READ / MEAN: the saved value is the cross-worker mean (integer buffers: rank 0's)."""
-    names = [n for n, _ in module.named_buffers() if n in sd and torch.is_floating_point(sd[n])]
-    if not names:
-        return sd
-    means = ext.all_reduce_tensors("mean", [sd[n] for n in names])
-    out = dict(sd)
-    for n, m in zip(names, means):
-        out[n] = m.to(sd[n].device)
-    return out
 
 
 def _read_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable) -> torch.Tensor:
