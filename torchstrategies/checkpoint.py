@@ -44,7 +44,13 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
-from torchstrategies._checkpoint_state import RandomState, from_bytes, gather_per_rank, job_module_state, to_bytes
+from torchstrategies._checkpoint_state import (
+    RandomState,
+    from_bytes,
+    gather_per_rank,
+    job_module_state,
+    to_bytes,
+)
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
 __all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE"]
