@@ -77,7 +77,7 @@ def test_what_a_checkpoint_cannot_save_is_a_type_error_naming_it_and_what_it_tak
 
 
 def _buffer_rule_body(rank, world, directory):
-    from torchstrategies.checkpoint import Checkpoint, RandomState
+    from torchstrategies.checkpoint import Checkpoint
     from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
     s = MultiWorkerMirroredStrategy()
@@ -89,11 +89,16 @@ def _buffer_rule_body(rank, world, directory):
     model.differ.fill_(float(rank))  # (the scope broadcast rank 0's)
     (mean_of_same,) = s.extended.all_reduce_tensors("mean", [model.same])
     torch.manual_seed(10 + rank)
-    path = Checkpoint(model=model, rng=RandomState()).save(os.path.join(directory, "c.pt"))
+    path = Checkpoint(model=model).save(os.path.join(directory, "c.pt"))  # every rank's random state, by default
     mine = torch.rand(3)
     saved = torch.load(path, weights_only=True)["objects"]["model"]["state"]
     torch.manual_seed(1234)
-    Checkpoint(model=model, rng=RandomState()).restore(path)
+    seeded_draw = torch.rand(3)
+    torch.manual_seed(1234)
+    Checkpoint(model=model, save_random_state=False).restore(path)
+    untouched = torch.equal(torch.rand(3), seeded_draw)
+    torch.manual_seed(1234)
+    Checkpoint(model=model).restore(path)
     restored_draw = torch.rand(3)
     model.count.fill_(rank)
     try:
@@ -104,7 +109,8 @@ def _buffer_rule_body(rank, world, directory):
     s.shutdown()
     return {"same_ok": torch.equal(saved["same"], model.same),
             "mean_rounds": not torch.equal(mean_of_same, model.same),
-            "differ": saved["differ"].tolist(), "own_rng": torch.equal(mine, restored_draw), "error": error}
+            "differ": saved["differ"].tolist(), "own_rng": torch.equal(mine, restored_draw), "untouched": untouched,
+            "error": error}
 
 
 @pytest.mark.timeout(120)
@@ -115,6 +121,7 @@ def test_saved_buffers_follow_the_buffer_rule_and_each_rank_gets_its_own_random_
         assert r["same_ok"]  # buffers equal on every rank are saved bit for bit
         assert r["differ"] == [1.0] * 4  # differing floating buffers: their cross-rank mean (0 + 1 + 2) / 3
         assert r["own_rng"]  # rank r's random state went back to rank r
+        assert r["untouched"]  # save_random_state=False leaves it alone
         assert r["error"] is not None and "integer buffer model.count differs between ranks" in r["error"]
 
 

@@ -155,7 +155,14 @@ class Checkpoint:
     that state; :class:`RandomState` and a ``torch.Generator``: EVERY worker's state, each restored to the
     worker of the same rank; a ``ts.Variable`` its (ON_READ: aggregated) value; an int itself.
 
+    Every save also holds every worker's :class:`RandomState` (torch, CUDA, numpy, Python's ``random``),
+    and every restore gives each worker its own back, so dropout and random augmentation resume exactly;
+    ``save_random_state=False`` leaves the random state out (e.g. to restore weights for evaluation
+    without touching it). :meth:`state_dict` (for DCP) holds only the named objects: pass
+    ``rng=RandomState()`` to put the random state there.
+
     Args:
+        save_random_state: keyword-only: save and restore the random state of every worker (default True).
         **objects: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``, distributed datasets,
             :class:`RandomState`, ``torch.Generator``, ``ts.Variable``, other objects with ``state_dict`` and
             ``load_state_dict``, or ``int`` values.
@@ -172,7 +179,10 @@ class Checkpoint:
         3
     """
 
-    def __init__(self, **objects: object):
+    def __init__(self, *, save_random_state: bool = True, **objects: object):
+        if not isinstance(save_random_state, bool):
+            raise TypeError(f"Checkpoint: save_random_state must be True or False, got {save_random_state!r}")
+        self._save_random_state = save_random_state
         self._objects: dict[str, Any] = {}
         self._kinds: dict[str, str] = {}
         self._ints: dict[str, int] = {}
@@ -218,6 +228,8 @@ class Checkpoint:
             else:  # optimizer, stateful
                 entry["state"] = obj.state_dict()
             state["objects"][name] = entry
+        if self._save_random_state:
+            state["random_state"] = gather_per_rank(ext, to_bytes(RandomState().state_dict()))
         return state
 
     def _load(self, targets: dict[str, Any], objects: dict[str, Any], ints: dict[str, Any], where: str) -> None:
@@ -260,6 +272,8 @@ class Checkpoint:
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"Checkpoint.restore: {path!r} is not a torchstrategies checkpoint")
         self._load(self._objects, state["objects"], state["ints"], repr(path))
+        if self._save_random_state and "random_state" in state:
+            _restore_per_rank("the random state", RandomState(), state["random_state"], _mwms_extended())
         return self
 
     read = restore

@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchstrategies as ts
-from torchstrategies.checkpoint import Checkpoint, CheckpointManager, PreemptionCheckpointHandler, RandomState
+from torchstrategies.checkpoint import Checkpoint, CheckpointManager, PreemptionCheckpointHandler
 
 TOTAL_STEPS = 10
 GLOBAL_BATCH = 8
@@ -75,7 +75,7 @@ def build(strategy, rank, dropout, batchnorm):
 def job_state(strategy, model, opt, sched):
     """The state every rank agrees on (module buffers under the buffer rule), as a checkpoint saves it."""
     ext = strategy.extended if _multi_worker(strategy) else None
-    objects = Checkpoint(model=model, optimizer=opt, sched=sched)._state(ext)
+    objects = Checkpoint(model=model, optimizer=opt, sched=sched, save_random_state=False)._state(ext)
     state = {k: v["state"] for k, v in objects["objects"].items()}
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)  # a snapshot
 
@@ -133,7 +133,8 @@ def main() -> None:
             torch.save(ref, a.out + ".reference")
 
     model, opt, sched, data, step = build(strategy, rank, dropout, a.batchnorm)
-    ckpt = Checkpoint(model=model, optimizer=opt, sched=sched, data=data, rng=RandomState(), step=0)
+    # Every rank's random state is in each checkpoint by default (save_random_state=True).
+    ckpt = Checkpoint(model=model, optimizer=opt, sched=sched, data=data, step=0)
     result = {}
     if a.resume:
         ckpt.restore(a.resume)
