@@ -5,18 +5,24 @@
 * :func:`job_module_state`: a module's ``state_dict`` under the buffer rule (floating buffers ON_READ /
   MEAN, integer buffers equal on every replica), the same on every rank.
 * :func:`gather_per_rank`: every rank's bytes, in rank order, on every rank.
+* :func:`kind_of`: which kind an object is, or the TypeError naming it and what a checkpoint accepts;
+  ``ts.Variable`` reads and restores (TF's ON_READ rules).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RandomState", "job_module_state", "gather_per_rank", "to_bytes", "from_bytes"]
+__all__ = ["RandomState", "job_module_state", "gather_per_rank", "to_bytes", "from_bytes", "kind_of", "per_rank_state",
+           "restore_per_rank", "read_variable", "restore_variable"]
+
+log = logging.getLogger("torchstrategies.checkpoint")
 
 
 class Collective(Protocol):
@@ -29,6 +35,8 @@ class Collective(Protocol):
     def world_size(self) -> int: ...
 
     def all_reduce_tensors(self, op: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None: ...
 
 
 class RandomState:
@@ -152,3 +160,98 @@ def _probe(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         return torch.view_as_real(t)
     return t if t.is_floating_point() else t.to(torch.int64)
+
+
+class Variable(Protocol):
+    """What a checkpoint reads and writes of a ``ts.Variable``."""
+
+    @property
+    def synchronization(self) -> object: ...
+
+    @property
+    def aggregation(self) -> object: ...
+
+    def read_value(self) -> object: ...
+
+    def assign(self, value: torch.Tensor) -> object: ...
+
+
+def is_variable(obj: object) -> bool:
+    return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+_ACCEPTS = ("torch.nn.Module, torch.optim.Optimizer, an object with state_dict() and load_state_dict() (an LR "
+            "scheduler, torch.amp.GradScaler, a distributed dataset, torchdata's StatefulDataLoader), "
+            "ts.checkpoint.RandomState(), torch.Generator, ts.Variable or int")
+
+
+def kind_of(name: str, obj: object) -> str:
+    """How the checkpoint keeps ``obj`` (raises TypeError, naming it and what is accepted, if it cannot)."""
+    if isinstance(obj, bool):
+        raise TypeError(f"Checkpoint: {name}={obj!r} is a bool; it accepts {_ACCEPTS}")
+    if isinstance(obj, int):
+        return "int"
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (RandomState, torch.Generator)):
+        return "per_rank"
+    if is_variable(obj):
+        return "variable"
+    if is_stateful(obj):
+        return "stateful"
+    if hasattr(obj, "restore_position"):
+        return "dataset"
+    hint = ""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        hint = " (for a DataLoader, pass strategy.experimental_distribute_dataset(loader): it keeps its position)"
+    raise TypeError(f"Checkpoint: {name}={type(obj).__name__} cannot be saved{hint}; it accepts {_ACCEPTS}")
+
+
+def rank_world(ext: Collective | None) -> tuple[int, int]:
+    return (0, 1) if ext is None else (ext.rank, ext.world_size)
+
+
+def per_rank_state(obj: RandomState | torch.Generator) -> object:
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def restore_per_rank(name: str, obj: RandomState | torch.Generator, ranks: list[bytes],
+                     ext: Collective | None) -> None:
+    """Gives this rank its own saved state (a different world size: rank ``r`` takes ``r % saved``'s)."""
+    rank, world = rank_world(ext)
+    if len(ranks) != world:
+        log.warning("Checkpoint: %s was saved by %d ranks, restored on %d: rank %d takes saved rank %d's state "
+                    "(random draws go on, but not as any uninterrupted run)", name, len(ranks), world, rank,
+                    rank % len(ranks))
+    state = from_bytes(ranks[rank % len(ranks)])
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    else:
+        obj.load_state_dict(state)
+
+
+def read_variable(ext: Collective | None, v: Variable) -> torch.Tensor:
+    value = torch.as_tensor(v.read_value()).detach().clone()
+    sync = getattr(v.synchronization, "name", str(v.synchronization))
+    if ext is None or sync != "ON_READ":
+        return value
+    agg = getattr(v.aggregation, "name", str(v.aggregation))
+    if agg in ("SUM", "MEAN"):
+        return ext.all_reduce_tensors(agg, [value])[0]
+    box = [value]
+    ext.broadcast_tensors(box, src=0)  # ONLY_FIRST_REPLICA / NONE: replica 0's value
+    return box[0]
+
+
+def restore_variable(ext: Collective | None, v: Variable, value: torch.Tensor) -> None:
+    sync = getattr(v.synchronization, "name", str(v.synchronization))
+    agg = getattr(v.aggregation, "name", str(v.aggregation))
+    if ext is not None and sync == "ON_READ" and agg == "SUM":
+        value = value / ext.world_size  # TF: each replica holds value / num_replicas so the sum reads back
+    v.assign(value)

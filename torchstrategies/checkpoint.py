@@ -3,12 +3,16 @@
 TF's ``tf.train.Checkpoint`` / ``tf.train.CheckpointManager`` /
 ``tf.distribute.experimental.PreemptionCheckpointHandler`` for torch objects:
 
-* What is saved: modules (``state_dict``), optimizers, distributed datasets (their ``(epoch, batches
-  consumed)`` position), ``ts.Variable`` objects, and ints (e.g. ``step``), all given as keyword arguments.
+* What is saved: modules (``state_dict``), optimizers, LR schedulers, ``GradScaler`` and any object with
+  ``state_dict`` / ``load_state_dict``, distributed datasets (position and seed), ``torch.Generator`` and
+  :class:`RandomState` (per rank), ``ts.Variable`` objects, and ints (e.g. ``step``), all given as keyword
+  arguments; and every worker's random state (unless ``save_random_state=False``). docs/fault_tolerance.md
+  says what resumes exactly.
 * Under MultiWorkerMirroredStrategy, ``save`` is a collective (every worker calls it; it talks through the
-  strategy's process group, like everything else of the strategy): module buffers (ON_READ,
-  MEAN) are saved as their cross-worker mean and ON_READ variables as their aggregate (SUM, MEAN or the
-  first replica's value); the chief (rank 0) alone writes, to a temporary file renamed into place (a
+  strategy's process group, like everything else of the strategy): module buffers are saved under the
+  buffer rule (floating: ON_READ / MEAN, as they are when equal on every worker; integer: equal or an
+  error), ON_READ variables as their aggregate (SUM, MEAN or the first replica's value), per-rank state
+  of every worker; the chief (rank 0) alone writes, to a temporary file renamed into place (a
   reader never sees a partial file), then all workers pass a barrier. Every worker reads on ``restore``;
   by TF's rule a SUM ON_READ variable gets ``value / num_replicas`` on each worker, anything else the value.
 * ``PreemptionCheckpointHandler``: a worker that receives SIGTERM finishes its current step; after the step
@@ -40,7 +44,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
@@ -49,6 +53,11 @@ from torchstrategies._checkpoint_state import (
     from_bytes,
     gather_per_rank,
     job_module_state,
+    kind_of,
+    per_rank_state,
+    read_variable,
+    restore_per_rank,
+    restore_variable,
     to_bytes,
 )
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
@@ -65,84 +74,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class _Variable(Protocol):
-    """What a checkpoint reads and writes of a ``ts.Variable``."""
-
-    @property
-    def synchronization(self) -> object: ...
-
-    @property
-    def aggregation(self) -> object: ...
-
-    def read_value(self) -> object: ...
-
-    def assign(self, value: torch.Tensor) -> object: ...
-
-
 def _mwms_extended() -> MultiWorkerMirroredExtended | None:
     """The live MultiWorkerMirroredStrategy's extended, if any (saving is then a collective)."""
     for ext in list(live_extendeds()):
         return ext
     return None
-
-
-def _is_variable(obj: object) -> bool:
-    return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
-
-
-def _is_stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-_ACCEPTS = ("torch.nn.Module, torch.optim.Optimizer, an object with state_dict() and load_state_dict() (an LR "
-            "scheduler, torch.amp.GradScaler, a distributed dataset, torchdata's StatefulDataLoader), "
-            "ts.checkpoint.RandomState(), torch.Generator, ts.Variable or int")
-
-
-def _kind(name: str, obj: object) -> str:
-    """How the checkpoint keeps ``obj`` (raises TypeError, naming it and what is accepted, if it cannot)."""
-    if isinstance(obj, bool):
-        raise TypeError(f"Checkpoint: {name}={obj!r} is a bool; it accepts {_ACCEPTS}")
-    if isinstance(obj, int):
-        return "int"
-    if isinstance(obj, torch.nn.Module):
-        return "module"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, (RandomState, torch.Generator)):
-        return "per_rank"
-    if _is_variable(obj):
-        return "variable"
-    if _is_stateful(obj):
-        return "stateful"
-    if hasattr(obj, "restore_position"):
-        return "dataset"
-    hint = ""
-    if isinstance(obj, torch.utils.data.DataLoader):
-        hint = " (for a DataLoader, pass strategy.experimental_distribute_dataset(loader): it keeps its position)"
-    raise TypeError(f"Checkpoint: {name}={type(obj).__name__} cannot be saved{hint}; it accepts {_ACCEPTS}")
-
-
-def _rank_world(ext: MultiWorkerMirroredExtended | None) -> tuple[int, int]:
-    return (0, 1) if ext is None else (ext.rank, ext.world_size)
-
-
-def _per_rank_state(obj: RandomState | torch.Generator) -> object:
-    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
-
-
-def _restore_per_rank(name: str, obj: RandomState | torch.Generator, ranks: list[bytes],
-                      ext: MultiWorkerMirroredExtended | None) -> None:
-    rank, world = _rank_world(ext)
-    if len(ranks) != world:
-        log.warning("Checkpoint: %s was saved by %d ranks, restored on %d: rank %d takes saved rank %d's state "
-                    "(random draws go on, but not as any uninterrupted run)", name, len(ranks), world, rank,
-                    rank % len(ranks))
-    state = from_bytes(ranks[rank % len(ranks)])
-    if isinstance(obj, torch.Generator):
-        obj.set_state(state)
-    else:
-        obj.load_state_dict(state)
 
 
 class Checkpoint:
@@ -187,7 +123,7 @@ class Checkpoint:
         self._kinds: dict[str, str] = {}
         self._ints: dict[str, int] = {}
         for name, obj in objects.items():
-            kind = _kind(name, obj)
+            kind = kind_of(name, obj)
             if kind == "int":
                 self._ints[name] = int(cast(int, obj))
             else:
@@ -212,41 +148,42 @@ class Checkpoint:
             raise AttributeError(f"Checkpoint has no int attribute {name!r}; pass it to the constructor")
 
     # --- state -------------------------------------------------------------------------------------------
+    def _value(self, ext: MultiWorkerMirroredExtended | None, name: str, obj: Any) -> Any:
+        """What is saved of ``obj`` (of a per-rank object: every rank's bytes, in rank order)."""
+        kind = self._kinds[name]
+        if kind == "module":
+            return job_module_state(ext, name, obj)
+        if kind == "variable":
+            return read_variable(ext, obj)
+        if kind == "per_rank":
+            return gather_per_rank(ext, to_bytes(per_rank_state(obj)))
+        if kind == "dataset":
+            return list(obj.position)
+        return obj.state_dict()  # optimizer, stateful
+
     def _state(self, ext: MultiWorkerMirroredExtended | None) -> dict[str, Any]:
-        state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": {}}
-        for name, obj in self._objects.items():
-            kind = self._kinds[name]
-            entry: dict[str, Any] = {"kind": kind}
-            if kind == "module":
-                entry["state"] = job_module_state(ext, name, obj)
-            elif kind == "variable":
-                entry["state"] = _read_variable(ext, obj)
-            elif kind == "per_rank":
-                entry["ranks"] = gather_per_rank(ext, to_bytes(_per_rank_state(obj)))
-            elif kind == "dataset":
-                entry["state"] = list(obj.position)
-            else:  # optimizer, stateful
-                entry["state"] = obj.state_dict()
-            state["objects"][name] = entry
+        objects = {name: {"kind": self._kinds[name], "state": self._value(ext, name, obj)}
+                   for name, obj in self._objects.items()}
+        state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": objects}
         if self._save_random_state:
             state["random_state"] = gather_per_rank(ext, to_bytes(RandomState().state_dict()))
         return state
 
-    def _load(self, targets: dict[str, Any], objects: dict[str, Any], ints: dict[str, Any], where: str) -> None:
-        missing = [n for n in targets if n not in objects]
+    def _load(self, targets: dict[str, Any], values: dict[str, Any], ints: dict[str, Any], where: str) -> None:
+        missing = [n for n in targets if n not in values]
         if missing:
             raise ValueError(f"Checkpoint: {where} has no entry for {missing}")
         ext = _mwms_extended()
         for name, obj in targets.items():
-            entry = objects[name]
-            if entry["kind"] == "per_rank":
-                _restore_per_rank(name, obj, entry["ranks"], ext)
-            elif entry["kind"] == "variable":
-                _restore_variable(ext, obj, entry["state"])
-            elif entry["kind"] == "dataset" and isinstance(entry["state"], list):
-                obj.restore_position(*entry["state"])  # a checkpoint written before datasets had state_dict
+            kind, value = self._kinds[name], values[name]
+            if kind == "per_rank":
+                restore_per_rank(name, obj, value, ext)
+            elif kind == "variable":
+                restore_variable(ext, obj, value)
+            elif isinstance(value, list) and hasattr(obj, "restore_position"):
+                obj.restore_position(*value)  # a dataset position as checkpoints before state_dict kept it
             else:
-                obj.load_state_dict(entry["state"])
+                obj.load_state_dict(value)
         for k, v in ints.items():
             if k in self._ints:
                 self._ints[k] = int(v)
@@ -271,9 +208,11 @@ class Checkpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"Checkpoint.restore: {path!r} is not a torchstrategies checkpoint")
-        self._load(self._objects, state["objects"], state["ints"], repr(path))
+        saved = state["objects"]
+        values = {n: saved[n]["state"] for n in self._objects if n in saved}
+        self._load(self._objects, values, state["ints"], repr(path))
         if self._save_random_state and "random_state" in state:
-            _restore_per_rank("the random state", RandomState(), state["random_state"], _mwms_extended())
+            restore_per_rank("the random state", RandomState(), state["random_state"], _mwms_extended())
         return self
 
     read = restore
@@ -305,20 +244,10 @@ class Checkpoint:
             if kind == "optimizer":
                 out[name] = get_optimizer_state_dict(self._owner(name, obj), obj)
             elif kind == "per_rank":
-                out[name] = to_bytes(gather_per_rank(ext, to_bytes(_per_rank_state(obj))))
-            elif kind == "module":
-                out[name] = job_module_state(ext, name, obj)
+                out[name] = to_bytes(self._value(ext, name, obj))  # one bytes object: DCP replaces it on load
             else:
-                out[name] = self._state_of(ext, name, obj)
+                out[name] = self._value(ext, name, obj)
         return out
-
-    def _state_of(self, ext: MultiWorkerMirroredExtended | None, name: str, obj: Any) -> Any:
-        kind = self._kinds[name]
-        if kind == "variable":
-            return _read_variable(ext, obj)
-        if kind == "dataset":
-            return list(obj.position)
-        return obj.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` gave (after ``torch.distributed.checkpoint.load`` filled it in)."""
@@ -328,16 +257,15 @@ class Checkpoint:
         if missing:
             raise ValueError(f"Checkpoint.load_state_dict: the state has no entry for {missing}")
         rest: dict[str, Any] = {}
-        entries: dict[str, Any] = {}
+        values: dict[str, Any] = {}
         for name, obj in self._objects.items():
             kind = self._kinds[name]
             if kind == "optimizer":
                 set_optimizer_state_dict(self._owner(name, obj), obj, state[name])
             else:
                 rest[name] = obj
-                entries[name] = ({"kind": kind, "ranks": from_bytes(state[name])} if kind == "per_rank"
-                                 else {"kind": kind, "state": state[name]})
-        self._load(rest, entries, {k: state[k] for k in self._ints if k in state}, "the state")
+                values[name] = from_bytes(state[name]) if kind == "per_rank" else state[name]
+        self._load(rest, values, {k: state[k] for k in self._ints if k in state}, "the state")
 
     def _owner(self, name: str, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The module of this checkpoint that holds every parameter of ``optimizer``."""
@@ -359,27 +287,6 @@ def _atomic_save(state: dict[str, Any], path: str) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _read_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable) -> torch.Tensor:
-    value = torch.as_tensor(v.read_value()).detach().clone()
-    sync = getattr(v.synchronization, "name", str(v.synchronization))
-    if ext is None or sync != "ON_READ":
-        return value
-    agg = getattr(v.aggregation, "name", str(v.aggregation))
-    if agg in ("SUM", "MEAN"):
-        return ext.all_reduce_tensors(agg, [value])[0]
-    box = [value]
-    ext.broadcast_tensors(box, src=0)  # ONLY_FIRST_REPLICA / NONE: replica 0's value
-    return box[0]
-
-
-def _restore_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable, value: torch.Tensor) -> None:
-    sync = getattr(v.synchronization, "name", str(v.synchronization))
-    agg = getattr(v.aggregation, "name", str(v.aggregation))
-    if ext is not None and sync == "ON_READ" and agg == "SUM":
-        value = value / ext.world_size  # TF: each replica holds value / num_replicas so the sum reads back
-    v.assign(value)
 
 
 class CheckpointManager:
