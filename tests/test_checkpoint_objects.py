@@ -209,3 +209,63 @@ def test_torch_distributed_checkpoint_saves_and_loads_an_mwms_job_and_loads_a_dd
     for r in run_ranks(_dcp_body, 2, args=(str(tmp_path),), timeout=110):
         assert r == {"ddp_params": True, "ddp_adam": True, "job_params": True, "job_adam": True, "sched": True,
                      "step": 2, "rng": True, "data": True}
+
+
+def _in_process_job(strategy):
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(24, 3, generator=g), torch.arange(24)), batch_size=6,
+        shuffle=True, generator=torch.Generator().manual_seed(4))
+    data = strategy.experimental_distribute_dataset(loader)
+
+    def replica_step(x, ids):
+        opt.zero_grad()
+        (model(x).pow(2).sum() / 6).backward()
+        opt.step()
+
+    def steps(n, it):
+        order = []
+        for _ in range(n):
+            x, ids = next(it)
+            strategy.run(replica_step, args=(x, ids))
+            sched.step()
+            order.append(strategy.gather(ids, axis=0).tolist())
+        return order
+
+    return model, opt, sched, data, steps
+
+
+def _epochs(data):
+    while True:  # each new iteration starts the next epoch (a restored dataset: the interrupted one first)
+        yield from data
+
+
+def test_in_process_strategies_resume_each_others_checkpoints_and_plain_torch_reads_them(tmp_path):
+    import torchstrategies as ts
+    from torchstrategies.checkpoint import Checkpoint
+
+    model, opt, sched, data, steps = _in_process_job(ts.MirroredStrategy(num_replicas=2))
+    it = _epochs(data)
+    steps(2, it)  # mid-epoch (4 global batches an epoch)
+    path = Checkpoint(model=model, optimizer=opt, sched=sched, data=data).save(str(tmp_path / "m.pt"))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    want_order = steps(4, it)  # crosses into the next epoch
+
+    central = ts.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"], parameter_device="cpu")
+    model2, opt2, sched2, data2, steps2 = _in_process_job(central)
+    Checkpoint(model=model2, optimizer=opt2, sched=sched2, data=data2).restore(path)
+    assert steps2(4, _epochs(data2)) == want_order  # the same global batches
+    for a, b in zip(model2.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    plain_sched = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=2, gamma=0.5)
+    Checkpoint(model=plain, optimizer=plain_opt, sched=plain_sched).restore(path)  # no strategy: no data position
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in saved.items())
+    assert plain_sched.last_epoch == 2 and plain_opt.state_dict()["state"][0]["step"] == 2
