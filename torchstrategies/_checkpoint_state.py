@@ -34,6 +34,9 @@ class Collective(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]: ...
+
     def all_reduce_tensors(self, op: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None: ...
@@ -112,11 +115,13 @@ def gather_per_rank(ext: Collective | None, blob: bytes) -> list[bytes]:
     """Every rank's ``blob`` in rank order, on every rank (two all-reduces: the longest length, the rows)."""
     if ext is None:
         return [blob]
-    (longest,) = ext.all_reduce_tensors("max", [torch.tensor([len(blob)], dtype=torch.int64)])
+    device = ext.worker_devices[0]  # (NCCL reduces only tensors on the worker's GPU)
+    (longest,) = ext.all_reduce_tensors("max", [torch.tensor([len(blob)], dtype=torch.int64, device=device)])
     rows = torch.zeros(ext.world_size, int(longest.item()) + 1, dtype=torch.int32)
     rows[ext.rank, 0] = len(blob)
     rows[ext.rank, 1:1 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int32)
-    (summed,) = ext.all_reduce_tensors("sum", [rows])  # each row has one writer: the sum is that rank's bytes
+    (summed,) = ext.all_reduce_tensors("sum", [rows.to(device)])  # one writer per row: the sum is its bytes
+    summed = summed.cpu()
     return [bytes(summed[r, 1:1 + int(summed[r, 0])].to(torch.uint8).tolist()) for r in range(ext.world_size)]
 
 

@@ -407,7 +407,7 @@ class PreemptionCheckpointHandler:
         ext = _mwms_extended()
         if ext is None:
             return self._requested
-        flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64)
+        flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64, device=ext.worker_devices[0])
         return bool(ext.all_reduce_tensors("max", [flag])[0].item())
 
     def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
