@@ -6,6 +6,9 @@
   slice ``w`` of each (a DistributedSampler-like split that keeps TF's global-batch semantics). Workers never
   load each other's samples. ``set_epoch(e)`` picks the permutation; iterating again advances the epoch by
   itself (TF reshuffles each iteration).
+* In-process strategies (Mirrored, CentralStorage) read a map-style DataLoader the same way, as one worker
+  (:class:`ReplicaSplitDataset`), and split each global batch over their replicas: the same global batches
+  in the same order as N workers, so a checkpoint's data position resumes under either.
 * Any other iterable of global batches (tensors, tuples, dicts) goes to the core's ``DistributedDataset``:
   every worker reads it in full and keeps its slice of each batch along dim 0.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sized
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -212,10 +215,10 @@ class ReplicaSplitDataset(DistributedDataset):
     saved under MultiWorkerMirroredStrategy continues here with the same global batch, and back.
     """
 
-    def __init__(self, strategy: object, loader: DataLoader[object], seed: int, options: InputOptions | None):
+    def __init__(self, strategy: Any, loader: DataLoader[object], seed: int, options: InputOptions | None):
         self.sharded = WorkerShardedDataset(loader, 1, 0, seed)
         self.global_batch_size = self.sharded.global_batch_size
-        super().__init__(strategy, self.sharded, options)  # type: ignore[arg-type]
+        super().__init__(strategy, self.sharded, options)
 
     def set_epoch(self, epoch: int) -> None:
         self.sharded.set_epoch(epoch)
