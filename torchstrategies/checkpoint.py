@@ -3,12 +3,16 @@
 TF's ``tf.train.Checkpoint`` / ``tf.train.CheckpointManager`` /
 ``tf.distribute.experimental.PreemptionCheckpointHandler`` for torch objects:
 
-* What is saved: modules (``state_dict``), optimizers, distributed datasets (their ``(epoch, batches
-  consumed)`` position), ``ts.Variable`` objects, and ints (e.g. ``step``), all given as keyword arguments.
+* What is saved: modules (``state_dict``), optimizers, LR schedulers, ``GradScaler`` and any object with
+  ``state_dict`` / ``load_state_dict``, distributed datasets (position and seed), ``torch.Generator`` and
+  :class:`RandomState` (per rank), ``ts.Variable`` objects, and ints (e.g. ``step``), all given as keyword
+  arguments; and every worker's random state (unless ``save_random_state=False``). docs/fault_tolerance.md
+  says what resumes exactly.
 * Under MultiWorkerMirroredStrategy, ``save`` is a collective (every worker calls it; it talks through the
-  strategy's process group, like everything else of the strategy): module buffers (ON_READ,
-  MEAN) are saved as their cross-worker mean and ON_READ variables as their aggregate (SUM, MEAN or the
-  first replica's value); the chief (rank 0) alone writes, to a temporary file renamed into place (a
+  strategy's process group, like everything else of the strategy): module buffers are saved under the
+  buffer rule (floating: ON_READ / MEAN, as they are when equal on every worker; integer: equal or an
+  error), ON_READ variables as their aggregate (SUM, MEAN or the first replica's value), per-rank state
+  of every worker; the chief (rank 0) alone writes, to a temporary file renamed into place (a
   reader never sees a partial file), then all workers pass a barrier. Every worker reads on ``restore``;
   by TF's rule a SUM ON_READ variable gets ``value / num_replicas`` on each worker, anything else the value.
 * ``PreemptionCheckpointHandler``: a worker that receives SIGTERM finishes its current step; after the step
@@ -40,13 +44,25 @@ import sys
 import uuid
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
+from torchstrategies._checkpoint_state import (
+    RandomState,
+    from_bytes,
+    gather_per_rank,
+    job_module_state,
+    kind_of,
+    per_rank_state,
+    read_variable,
+    restore_per_rank,
+    restore_variable,
+    to_bytes,
+)
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
-__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RESTARTABLE_EXIT_CODE"]
+__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE"]
 
 log = logging.getLogger("torchstrategies.checkpoint")
 
@@ -58,20 +74,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class _Variable(Protocol):
-    """What a checkpoint reads and writes of a ``ts.Variable``."""
-
-    @property
-    def synchronization(self) -> object: ...
-
-    @property
-    def aggregation(self) -> object: ...
-
-    def read_value(self) -> object: ...
-
-    def assign(self, value: torch.Tensor) -> object: ...
-
-
 def _mwms_extended() -> MultiWorkerMirroredExtended | None:
     """The live MultiWorkerMirroredStrategy's extended, if any (saving is then a collective)."""
     for ext in list(live_extendeds()):
@@ -79,39 +81,54 @@ def _mwms_extended() -> MultiWorkerMirroredExtended | None:
     return None
 
 
-def _is_variable(obj: object) -> bool:
-    return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
-
-
 class Checkpoint:
     """Groups the objects to save; ints are kept as attributes (``ckpt.step``).
 
+    What each kind saves: a module its ``state_dict`` under the buffer rule (floating buffers are ON_READ /
+    MEAN: the cross-worker mean; integer buffers must be equal on every worker, else a ValueError names
+    the buffer), the same whichever worker writes; an optimizer, an LR scheduler, a ``GradScaler``, a
+    distributed dataset (its position and seed) or any object with ``state_dict`` / ``load_state_dict``:
+    that state; :class:`RandomState` and a ``torch.Generator``: EVERY worker's state, each restored to the
+    worker of the same rank; a ``ts.Variable`` its (ON_READ: aggregated) value; an int itself.
+
+    Every save also holds every worker's :class:`RandomState` (torch, CUDA, numpy, Python's ``random``),
+    and every restore gives each worker its own back, so dropout and random augmentation resume exactly;
+    ``save_random_state=False`` leaves the random state out (e.g. to restore weights for evaluation
+    without touching it). :meth:`state_dict` (for DCP) holds only the named objects: pass
+    ``rng=RandomState()`` to put the random state there.
+
     Args:
-        **objects: ``torch.nn.Module``, ``torch.optim.Optimizer``, distributed datasets (with ``position`` /
-            ``restore_position``), ``ts.Variable`` or ``int`` values.
+        save_random_state: keyword-only: save and restore the random state of every worker (default True).
+        **objects: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``, distributed datasets,
+            :class:`RandomState`, ``torch.Generator``, ``ts.Variable``, other objects with ``state_dict`` and
+            ``load_state_dict``, or ``int`` values.
 
     Raises:
-        TypeError: an object of another kind.
+        TypeError: an object it cannot save, naming it and what it accepts.
 
     Example:
-        >>> ckpt = Checkpoint(model=torch.nn.Linear(1, 1), step=3)
+        >>> model = torch.nn.Linear(1, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+        >>> ckpt = Checkpoint(model=model, optimizer=opt, sched=sched, rng=RandomState(), step=3)
         >>> ckpt.step
         3
     """
 
-    def __init__(self, **objects: object):
+    def __init__(self, *, save_random_state: bool = True, **objects: object):
+        if not isinstance(save_random_state, bool):
+            raise TypeError(f"Checkpoint: save_random_state must be True or False, got {save_random_state!r}")
+        self._save_random_state = save_random_state
         self._objects: dict[str, Any] = {}
+        self._kinds: dict[str, str] = {}
         self._ints: dict[str, int] = {}
         for name, obj in objects.items():
-            if isinstance(obj, bool) or not isinstance(obj, int):
-                if not (isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or _is_variable(obj)
-                        or hasattr(obj, "restore_position")):
-                    raise TypeError(
-                        f"Checkpoint: {name}={type(obj).__name__} is not a module, optimizer, distributed dataset, "
-                        "ts.Variable or int")
-                self._objects[name] = obj
+            kind = kind_of(name, obj)
+            if kind == "int":
+                self._ints[name] = int(cast(int, obj))
             else:
-                self._ints[name] = int(obj)
+                self._objects[name] = obj
+                self._kinds[name] = kind
 
     def __getattr__(self, name: str) -> Any:
         ints = self.__dict__.get("_ints", {})
@@ -131,21 +148,45 @@ class Checkpoint:
             raise AttributeError(f"Checkpoint has no int attribute {name!r}; pass it to the constructor")
 
     # --- state -------------------------------------------------------------------------------------------
+    def _value(self, ext: MultiWorkerMirroredExtended | None, name: str, obj: Any) -> Any:
+        """What is saved of ``obj`` (of a per-rank object: every rank's bytes, in rank order)."""
+        kind = self._kinds[name]
+        if kind == "module":
+            return job_module_state(ext, name, obj)
+        if kind == "variable":
+            return read_variable(ext, obj)
+        if kind == "per_rank":
+            return gather_per_rank(ext, to_bytes(per_rank_state(obj)))
+        if kind == "dataset":
+            return list(obj.position)
+        return obj.state_dict()  # optimizer, stateful
+
     def _state(self, ext: MultiWorkerMirroredExtended | None) -> dict[str, Any]:
-        state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": {}}
-        for name, obj in self._objects.items():
-            if isinstance(obj, torch.nn.Module):
-                sd = obj.state_dict()
-                if ext is not None:
-                    sd = _mean_buffers(ext, obj, sd)
-                state["objects"][name] = {"kind": "module", "state": sd}
-            elif isinstance(obj, torch.optim.Optimizer):
-                state["objects"][name] = {"kind": "optimizer", "state": obj.state_dict()}
-            elif _is_variable(obj):
-                state["objects"][name] = {"kind": "variable", "state": _read_variable(ext, obj)}
-            else:
-                state["objects"][name] = {"kind": "dataset", "state": list(obj.position)}
+        objects = {name: {"kind": self._kinds[name], "state": self._value(ext, name, obj)}
+                   for name, obj in self._objects.items()}
+        state: dict[str, Any] = {"format": _FORMAT, "ints": dict(self._ints), "objects": objects}
+        if self._save_random_state:
+            state["random_state"] = gather_per_rank(ext, to_bytes(RandomState().state_dict()))
         return state
+
+    def _load(self, targets: dict[str, Any], values: dict[str, Any], ints: dict[str, Any], where: str) -> None:
+        missing = [n for n in targets if n not in values]
+        if missing:
+            raise ValueError(f"Checkpoint: {where} has no entry for {missing}")
+        ext = _mwms_extended()
+        for name, obj in targets.items():
+            kind, value = self._kinds[name], values[name]
+            if kind == "per_rank":
+                restore_per_rank(name, obj, value, ext)
+            elif kind == "variable":
+                restore_variable(ext, obj, value)
+            elif isinstance(value, list) and hasattr(obj, "restore_position"):
+                obj.restore_position(*value)  # a dataset position as checkpoints before state_dict kept it
+            else:
+                obj.load_state_dict(value)
+        for k, v in ints.items():
+            if k in self._ints:
+                self._ints[k] = int(v)
 
     def save(self, path: str) -> str:
         """Writes a checkpoint to ``path`` (chief only, atomically); a collective under MultiWorkerMirrored."""
@@ -167,26 +208,73 @@ class Checkpoint:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError(f"Checkpoint.restore: {path!r} is not a torchstrategies checkpoint")
-        ext = _mwms_extended()
-        missing = [n for n in self._objects if n not in state["objects"]]
-        if missing:
-            raise ValueError(f"Checkpoint.restore: {path!r} has no entry for {missing}")
-        for name, obj in self._objects.items():
-            entry = state["objects"][name]
-            if isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(entry["state"])
-            elif isinstance(obj, torch.optim.Optimizer):
-                obj.load_state_dict(entry["state"])
-            elif _is_variable(obj):
-                _restore_variable(ext, obj, entry["state"])
-            else:
-                obj.restore_position(*entry["state"])
-        for k, v in state["ints"].items():
-            if k in self._ints:
-                self._ints[k] = int(v)
+        saved = state["objects"]
+        values = {n: saved[n]["state"] for n in self._objects if n in saved}
+        self._load(self._objects, values, state["ints"], repr(path))
+        if self._save_random_state and "random_state" in state:
+            restore_per_rank("the random state", RandomState(), state["random_state"], _mwms_extended())
         return self
 
     read = restore
+
+    # --- torch.distributed.checkpoint (DCP) ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state for ``torch.distributed.checkpoint`` (this makes a Checkpoint DCP-``Stateful``).
+
+        Keys are the names given to the constructor; a module's value is its ``state_dict`` under the buffer
+        rule, an optimizer's is ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (keyed
+        by parameter names, as a DDP/FSDP job saves it; it needs the optimizer's module in the same
+        Checkpoint), per-rank random state is every rank's (one bytes object). The same on every worker,
+        so DCP writes each entry once. A collective under MultiWorkerMirroredStrategy.
+
+        Example:
+            >>> import torch.distributed.checkpoint as dcp                          # doctest: +SKIP
+            >>> dcp.save(ckpt.state_dict(), checkpoint_id=path,                      # doctest: +SKIP
+            ...          process_group=strategy.extended.process_group)
+            >>> state = ckpt.state_dict()                                            # doctest: +SKIP
+            >>> dcp.load(state, checkpoint_id=path, process_group=strategy.extended.process_group)  # doctest: +SKIP
+            >>> ckpt.load_state_dict(state)                                          # doctest: +SKIP
+        """
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        ext = _mwms_extended()
+        out: dict[str, Any] = dict(self._ints)
+        for name, obj in self._objects.items():
+            kind = self._kinds[name]
+            if kind == "optimizer":
+                out[name] = get_optimizer_state_dict(self._owner(name, obj), obj)
+            elif kind == "per_rank":
+                out[name] = to_bytes(self._value(ext, name, obj))  # one bytes object: DCP replaces it on load
+            else:
+                out[name] = self._value(ext, name, obj)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` gave (after ``torch.distributed.checkpoint.load`` filled it in)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        missing = [n for n in self._objects if n not in state]
+        if missing:
+            raise ValueError(f"Checkpoint.load_state_dict: the state has no entry for {missing}")
+        rest: dict[str, Any] = {}
+        values: dict[str, Any] = {}
+        for name, obj in self._objects.items():
+            kind = self._kinds[name]
+            if kind == "optimizer":
+                set_optimizer_state_dict(self._owner(name, obj), obj, state[name])
+            else:
+                rest[name] = obj
+                values[name] = from_bytes(state[name]) if kind == "per_rank" else state[name]
+        self._load(rest, values, {k: state[k] for k in self._ints if k in state}, "the state")
+
+    def _owner(self, name: str, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The module of this checkpoint that holds every parameter of ``optimizer``."""
+        wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module) and wanted <= {id(p) for p in obj.parameters()}:
+                return obj
+        raise ValueError(f"Checkpoint.state_dict: optimizer {name} needs its module in the same Checkpoint "
+                         "(DCP keys optimizer state by parameter name)")
 
 
 def _atomic_save(state: dict[str, Any], path: str) -> None:
@@ -199,39 +287,6 @@ def _atomic_save(state: dict[str, Any], path: str) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _mean_buffers(ext: MultiWorkerMirroredExtended, module: torch.nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
-    """Buffers are ON_READ / MEAN: the saved value is the cross-worker mean (integer buffers: rank 0's)."""
-    names = [n for n, _ in module.named_buffers() if n in sd and torch.is_floating_point(sd[n])]
-    if not names:
-        return sd
-    means = ext.all_reduce_tensors("mean", [sd[n] for n in names])
-    out = dict(sd)
-    for n, m in zip(names, means):
-        out[n] = m.to(sd[n].device)
-    return out
-
-
-def _read_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable) -> torch.Tensor:
-    value = torch.as_tensor(v.read_value()).detach().clone()
-    sync = getattr(v.synchronization, "name", str(v.synchronization))
-    if ext is None or sync != "ON_READ":
-        return value
-    agg = getattr(v.aggregation, "name", str(v.aggregation))
-    if agg in ("SUM", "MEAN"):
-        return ext.all_reduce_tensors(agg, [value])[0]
-    box = [value]
-    ext.broadcast_tensors(box, src=0)  # ONLY_FIRST_REPLICA / NONE: replica 0's value
-    return box[0]
-
-
-def _restore_variable(ext: MultiWorkerMirroredExtended | None, v: _Variable, value: torch.Tensor) -> None:
-    sync = getattr(v.synchronization, "name", str(v.synchronization))
-    agg = getattr(v.aggregation, "name", str(v.aggregation))
-    if ext is not None and sync == "ON_READ" and agg == "SUM":
-        value = value / ext.world_size  # TF: each replica holds value / num_replicas so the sum reads back
-    v.assign(value)
 
 
 class CheckpointManager:
@@ -352,7 +407,7 @@ class PreemptionCheckpointHandler:
         ext = _mwms_extended()
         if ext is None:
             return self._requested
-        flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64)
+        flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64, device=ext.worker_devices[0])
         return bool(ext.all_reduce_tensors("max", [flag])[0].item())
 
     def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:

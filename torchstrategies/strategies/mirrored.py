@@ -20,11 +20,12 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader
 
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
@@ -34,12 +35,14 @@ from torchstrategies.distribute.cross_device_ops import (
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
+from torchstrategies.distribute.input_lib import InputOptions
 from torchstrategies.distribute.mirrored_run import call_for_each_replica, current_replica, merge_call
 from torchstrategies.distribute.replicated import ReplicatedTensors
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
 from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies._mw_input import ReplicaSplitDataset, is_map_style_loader, loader_seed
 from torchstrategies.strategies.one_device import canonical_device
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -234,6 +237,17 @@ class MirroredExtended(StrategyExtended):
         aggregation: VariableAggregation, trainable: bool, name: str | None
     ) -> Variable:
         return create_distributed_variable(self, initial_value, synchronization, aggregation, trainable, name)
+
+    # -- input ------------------------------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset: Iterable[object], options: InputOptions | None) -> Any:
+        """A map-style DataLoader reads its global batches in MultiWorkerMirroredStrategy's order (seeded by
+        the loader's generator), resumable from a checkpoint of either strategy; anything else as the core."""
+        if is_map_style_loader(dataset):
+            loader = cast(DataLoader, dataset)
+            named = loader_seed(loader)
+            seed = named if named is not None else int(torch.randint(0, 2**31 - 1, (1,)).item())
+            return ReplicaSplitDataset(self._container_strategy(), loader, seed, options)
+        return super()._experimental_distribute_dataset(dataset, options)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         """Its parameters are replicated, and its ``step()`` inside ``run`` becomes a merge_call: one

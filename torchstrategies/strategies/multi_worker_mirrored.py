@@ -72,7 +72,7 @@ from torchstrategies.strategies._grad_sync import (
     allreduce_hook,
 )
 from torchstrategies.strategies._health import HealthMonitor
-from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader
+from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader, loader_seed
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds", "GradBucket",
            "allreduce_hook", "CompressionHook"]
@@ -424,8 +424,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self, dataset: Iterable[object], options: InputOptions | None
     ) -> Iterable[Any]:
         if is_map_style_loader(dataset):
-            gen = getattr(dataset, "generator", None)
-            seed = int(gen.initial_seed()) if gen is not None else self._shared_seed()
+            named = loader_seed(cast(DataLoader, dataset))
+            seed = named if named is not None else self._shared_seed()
             fetch = getattr(options, "experimental_fetch_to_device", True) if options is not None else True
             return WorkerShardedDataset(cast(DataLoader, dataset), self._world, self._rank, seed,
                                         self._device if fetch else None)

@@ -1,0 +1,262 @@
+"""What ``torchstrategies.checkpoint`` reads and writes of each kind of object (the file format lives there).
+
+* :class:`RandomState`: the random state of this process (torch CPU, every CUDA device when present, numpy
+  when installed, Python's ``random``), a per-rank object.
+* :func:`job_module_state`: a module's ``state_dict`` under the buffer rule (floating buffers ON_READ /
+  MEAN, integer buffers equal on every replica), the same on every rank.
+* :func:`gather_per_rank`: every rank's bytes, in rank order, on every rank.
+* :func:`kind_of`: which kind an object is, or the TypeError naming it and what a checkpoint accepts;
+  ``ts.Variable`` reads and restores (TF's ON_READ rules).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["RandomState", "job_module_state", "gather_per_rank", "to_bytes", "from_bytes", "kind_of", "per_rank_state",
+           "restore_per_rank", "read_variable", "restore_variable"]
+
+log = logging.getLogger("torchstrategies.checkpoint")
+
+
+class Collective(Protocol):
+    """What the checkpoint needs of a MultiWorkerMirroredStrategy's extended (its process group's calls)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def worker_devices(self) -> tuple[torch.device, ...]: ...
+
+    def all_reduce_tensors(self, op: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None: ...
+
+
+class RandomState:
+    """The random state of this process, for ``Checkpoint(rng=RandomState())``; saved and restored per rank.
+
+    Holds nothing itself: ``state_dict()`` reads the generators as they are now, ``load_state_dict()`` sets
+    them: torch's CPU generator, every CUDA device's (when CUDA is available), numpy's global
+    ``np.random`` (when numpy is installed) and Python's ``random``. A ``torch.Generator`` of your own
+    (a DataLoader's, say) goes into the checkpoint by itself: ``Checkpoint(gen=my_generator)``.
+
+    Example:
+        >>> import random
+        >>> rng = RandomState()
+        >>> saved = rng.state_dict()
+        >>> a = (torch.rand(1), random.random())
+        >>> rng.load_state_dict(saved)
+        >>> (torch.rand(1), random.random()) == a
+        True
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                                 "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
+        if torch.cuda.is_available():
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
+        np = _numpy()
+        if np is not None:
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+        cuda = state.get("cuda")
+        if cuda is not None and torch.cuda.is_available():
+            if len(cuda) != torch.cuda.device_count():
+                raise ValueError(f"the checkpoint holds the random state of {len(cuda)} CUDA devices, this process "
+                                 f"sees {torch.cuda.device_count()}")
+            torch.cuda.set_rng_state_all(cuda)
+        np = _numpy()
+        saved_np = state.get("numpy")
+        if np is not None and saved_np is not None:
+            np.random.set_state((saved_np["name"], saved_np["keys"].numpy().astype("uint32"), saved_np["pos"],
+                                 saved_np["has_gauss"], saved_np["cached_gaussian"]))
+
+    def __repr__(self) -> str:
+        return "RandomState()"
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # numpy is optional: without it there is no numpy state to keep
+        return None
+    return numpy
+
+
+def to_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+
+
+def gather_per_rank(ext: Collective | None, blob: bytes) -> list[bytes]:
+    """Every rank's ``blob`` in rank order, on every rank (two all-reduces: the longest length, the rows)."""
+    if ext is None:
+        return [blob]
+    device = ext.worker_devices[0]  # (NCCL reduces only tensors on the worker's GPU)
+    (longest,) = ext.all_reduce_tensors("max", [torch.tensor([len(blob)], dtype=torch.int64, device=device)])
+    rows = torch.zeros(ext.world_size, int(longest.item()) + 1, dtype=torch.int32)
+    rows[ext.rank, 0] = len(blob)
+    rows[ext.rank, 1:1 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int32)
+    (summed,) = ext.all_reduce_tensors("sum", [rows.to(device)])  # one writer per row: the sum is its bytes
+    summed = summed.cpu()
+    return [bytes(summed[r, 1:1 + int(summed[r, 0])].to(torch.uint8).tolist()) for r in range(ext.world_size)]
+
+
+def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` as the job holds it under the buffer rule, identical on every rank.
+
+    Every buffer is compared across ranks in one MAX all-reduce of ``(b, -b)``: an integer buffer that
+    differs raises; a floating one that differs is replaced by its cross-rank mean (a second all-reduce,
+    only then). Buffers already equal on every rank are saved as they are, bit for bit.
+
+    Raises:
+        ValueError: an integer buffer (e.g. ``num_batches_tracked``) differs between ranks, naming it.
+    """
+    sd = module.state_dict()
+    if ext is None:
+        return sd
+    keys = [k for k, _ in module.named_buffers() if k in sd]  # the persistent ones
+    if not keys:
+        return sd
+    probes = [_probe(sd[k].detach()) for k in keys]
+    maxima = ext.all_reduce_tensors("max", [torch.stack([p, -p]) for p in probes])
+    differ = []
+    for k, m in zip(keys, maxima):
+        if torch.equal(m[0], -m[1]):  # max == min: every rank holds the same value
+            continue
+        if not (sd[k].is_floating_point() or sd[k].is_complex()):
+            raise ValueError(
+                f"Checkpoint: integer buffer {name}.{k} differs between ranks (max {m[0].flatten()[:4].tolist()}, "
+                f"min {(-m[1]).flatten()[:4].tolist()}): integer buffers must agree on every replica")
+        differ.append(k)
+    if differ:
+        means = ext.all_reduce_tensors("mean", [sd[k].detach() for k in differ])
+        sd = dict(sd)
+        for k, m in zip(differ, means):
+            sd[k] = m.to(sd[k].device)
+    return sd
+
+
+def _probe(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype where negation is exact and MAX is defined (int64 for integers and bools)."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t if t.is_floating_point() else t.to(torch.int64)
+
+
+class Variable(Protocol):
+    """What a checkpoint reads and writes of a ``ts.Variable``."""
+
+    @property
+    def synchronization(self) -> object: ...
+
+    @property
+    def aggregation(self) -> object: ...
+
+    def read_value(self) -> object: ...
+
+    def assign(self, value: torch.Tensor) -> object: ...
+
+
+def is_variable(obj: object) -> bool:
+    return hasattr(obj, "read_value") and hasattr(obj, "assign") and hasattr(obj, "synchronization")
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+_ACCEPTS = ("torch.nn.Module, torch.optim.Optimizer, an object with state_dict() and load_state_dict() (an LR "
+            "scheduler, torch.amp.GradScaler, a distributed dataset, torchdata's StatefulDataLoader), "
+            "ts.checkpoint.RandomState(), torch.Generator, ts.Variable or int")
+
+
+def kind_of(name: str, obj: object) -> str:
+    """How the checkpoint keeps ``obj`` (raises TypeError, naming it and what is accepted, if it cannot)."""
+    if isinstance(obj, bool):
+        raise TypeError(f"Checkpoint: {name}={obj!r} is a bool; it accepts {_ACCEPTS}")
+    if isinstance(obj, int):
+        return "int"
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (RandomState, torch.Generator)):
+        return "per_rank"
+    if is_variable(obj):
+        return "variable"
+    if is_stateful(obj):
+        return "stateful"
+    if hasattr(obj, "restore_position"):
+        return "dataset"
+    hint = ""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        hint = " (for a DataLoader, pass strategy.experimental_distribute_dataset(loader): it keeps its position)"
+    raise TypeError(f"Checkpoint: {name}={type(obj).__name__} cannot be saved{hint}; it accepts {_ACCEPTS}")
+
+
+def rank_world(ext: Collective | None) -> tuple[int, int]:
+    return (0, 1) if ext is None else (ext.rank, ext.world_size)
+
+
+def per_rank_state(obj: RandomState | torch.Generator) -> object:
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def restore_per_rank(name: str, obj: RandomState | torch.Generator, ranks: list[bytes],
+                     ext: Collective | None) -> None:
+    """Gives this rank its own saved state (a different world size: rank ``r`` takes ``r % saved``'s)."""
+    rank, world = rank_world(ext)
+    if len(ranks) != world:
+        log.warning("Checkpoint: %s was saved by %d ranks, restored on %d: rank %d takes saved rank %d's state "
+                    "(random draws go on, but not as any uninterrupted run)", name, len(ranks), world, rank,
+                    rank % len(ranks))
+    state = from_bytes(ranks[rank % len(ranks)])
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    else:
+        obj.load_state_dict(state)
+
+
+def read_variable(ext: Collective | None, v: Variable) -> torch.Tensor:
+    value = torch.as_tensor(v.read_value()).detach().clone()
+    sync = getattr(v.synchronization, "name", str(v.synchronization))
+    if ext is None or sync != "ON_READ":
+        return value
+    agg = getattr(v.aggregation, "name", str(v.aggregation))
+    if agg in ("SUM", "MEAN"):
+        return ext.all_reduce_tensors(agg, [value])[0]
+    box = [value]
+    ext.broadcast_tensors(box, src=0)  # ONLY_FIRST_REPLICA / NONE: replica 0's value
+    return box[0]
+
+
+def restore_variable(ext: Collective | None, v: Variable, value: torch.Tensor) -> None:
+    sync = getattr(v.synchronization, "name", str(v.synchronization))
+    agg = getattr(v.aggregation, "name", str(v.aggregation))
+    if ext is not None and sync == "ON_READ" and agg == "SUM":
+        value = value / ext.world_size  # TF: each replica holds value / num_replicas so the sum reads back
+    v.assign(value)
