@@ -18,6 +18,7 @@ from harness import free_port
 
 SECRET = "test-job-secret-0123456789abcdef"
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_small_job.py")
+ROOT = os.path.dirname(os.path.dirname(JOB))   # the checkout: the tasks import this tree's package
 RUNS = int(os.environ.get("PS_EXIT_RUNS", "20"))
 
 
@@ -28,7 +29,8 @@ def _run_job() -> list[tuple[int, list[str], str]]:
     for rank in range(3):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="3",
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   TORCHSTRATEGIES_PS_SECRET=SECRET)
+                   TORCHSTRATEGIES_PS_SECRET=SECRET,
+                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         procs.append(subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     out = []

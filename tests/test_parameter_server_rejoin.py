@@ -88,7 +88,9 @@ def _rejoin_at_every_moment(strategy, marker_dir):
 def _launcher(restarts_expected: int) -> list[int]:
     """The worker rank: runs worker:0 as a child process, restarting it after each SIGKILL."""
     codes: list[int] = []
-    env = dict(os.environ, PS_TASK_LEASE=str(LEASE))
+    root = os.path.dirname(os.path.dirname(TASK))   # the checkout: the task imports this tree's package
+    env = dict(os.environ, PS_TASK_LEASE=str(LEASE),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     while True:
         child = subprocess.run([sys.executable, TASK], env=env, stderr=subprocess.PIPE, text=True,
                                timeout=240)
