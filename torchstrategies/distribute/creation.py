@@ -22,6 +22,7 @@ strategy exits, or at the next ``strategy.run``, whichever comes first.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -91,6 +92,7 @@ def _wrap_optimizer_init() -> None:
         ext = current_extended()
         if ext is not None and not getattr(self, "_torchstrategies_seen", False):
             setattr(self, "_torchstrategies_seen", True)  # noqa: B010 - a mark on torch's class, not typed there
+            setattr(self, "_torchstrategies_owner", weakref.ref(ext))  # noqa: B010 - whose scope made it
             ext._on_optimizer_created(self)
 
     __init__._torchstrategies_wrapped = True  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchstrategies.distribute import context
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
     destination_devices,
@@ -78,8 +79,20 @@ def _parse_devices(
 
 
 def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    """A global optimizer step pre-hook: inside ``run`` of an in-process strategy with several replicas,
-    an optimizer made outside the scope would step once per replica, each on its own gradient."""
+    """A global optimizer step pre-hook. In replica context of a strategy: an optimizer made in another
+    strategy's scope is an error (as nested scopes of two strategies are); inside ``run`` of an in-process
+    strategy with several replicas, an optimizer made outside any scope would step once per replica."""
+    owner_ref = getattr(opt, "_torchstrategies_owner", None)
+    owner = owner_ref() if owner_ref is not None else None
+    mode = context.current_mode()
+    if owner is not None and not mode.is_default and mode.replica_context is not None and (
+        owner is not mode.strategy.extended
+    ):
+        raise RuntimeError(
+            f"Mixing different tf.distribute.Strategy objects: {type(opt).__name__} was created in the scope "
+            f"of {owner._container_strategy()!r} and is stepped inside {mode.strategy!r}.run. Create the "
+            "model and the optimizer in the scope of the strategy that runs the step"
+        )
     replica = current_replica()
     if replica is None or getattr(opt, "_torchstrategies_seen", False) or len(replica.run.devices) < 2:
         return
@@ -88,6 +101,37 @@ def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], k
         "`with strategy.scope():`; it would step once per replica. Create the model and the optimizer "
         "inside the scope, so that the step sums the replicas' gradients and updates once"
     )
+
+
+def _summed_gradients(strategy: Strategy) -> None:
+    """The merge function of ``loss.backward()`` in an in-process replica: nothing to do; the fold before
+    every merge makes each ``.grad`` the replicas' sum and hands it to every replica."""
+
+
+_summed_gradients._torchstrategies_merge_key = "backward"  # type: ignore[attr-defined]
+
+
+def _synced_backward() -> None:
+    """Wraps ``torch.autograd.backward`` (``Tensor.backward`` calls it): inside an in-process replica of a
+    strategy with several replicas it is followed by a merge_call, so when it returns every ``.grad`` of a
+    replicated parameter is the cross-replica sum, as DDP and one device give. Before it, a replica k > 0
+    drops the sum it was handed, so gradient accumulation adds each replica's new gradient once."""
+    orig = torch.autograd.backward
+    if getattr(orig, "_torchstrategies_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        replica = current_replica()
+        if replica is None:
+            return orig(*args, **kwargs)
+        replica.run.views.release()
+        result = orig(*args, **kwargs)
+        merge_call(replica, _summed_gradients, (), {})
+        return result
+
+    backward._torchstrategies_wrapped = True  # type: ignore[attr-defined]
+    torch.autograd.backward = backward  # type: ignore[assignment]
 
 
 def _once_per_step(cls: type, name: str) -> None:
@@ -104,7 +148,12 @@ def _once_per_step(cls: type, name: str) -> None:
         replica = current_replica()
         if replica is None:
             return orig(self, *args, **kwargs)
-        return merge_call(replica, lambda strategy: orig(self, *args, **kwargs), (), {})
+
+        def once(strategy: Strategy) -> object:
+            return orig(self, *args, **kwargs)
+
+        once._torchstrategies_merge_key = (id(self), name)  # type: ignore[attr-defined]
+        return merge_call(replica, once, (), {})
 
     method._torchstrategies_wrapped = True  # type: ignore[attr-defined]
     setattr(cls, name, method)
@@ -113,6 +162,7 @@ def _once_per_step(cls: type, name: str) -> None:
 @functools.cache
 def _install_global_hooks() -> None:
     register_optimizer_step_pre_hook(_outside_scope_guard)
+    _synced_backward()
     for name in ("unscale_", "step", "update"):
         _once_per_step(torch.amp.GradScaler, name)
     _once_per_step(torch.optim.lr_scheduler.LRScheduler, "step")
@@ -273,12 +323,17 @@ def _merged_step(cls: type) -> None:
 
 
 def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Strategy], object]:
-    """The merge function of ``optimizer.step()``: one update, from the replicas' summed gradients."""
+    """The merge function of ``optimizer.step()``: the replicas' buffers made equal (the one point per step
+    where buffers are synchronized, docs/strategies.md), then one update from the summed gradients."""
 
     def update(strategy: Strategy) -> object:
+        replicated = getattr(optimizer, "_torchstrategies_replicated", None)
+        if replicated is not None:
+            replicated.fold_buffers()
         return optimizer.step()  # (in cross-replica context: the update, and the mark for the seed)
 
     update.__qualname__ = f"{type(optimizer).__name__}.step"
+    update._torchstrategies_merge_key = id(optimizer)  # type: ignore[attr-defined]
     return update
 
 
