@@ -105,15 +105,16 @@ class ReplicatedTensors:
 
     def fold(self, end: bool) -> None:
         """Aggregates what the replicas wrote into the primaries (cross-replica view; see the module doc):
-        their gradients before every merge (a no-op for gradients every replica still holds as handed), and
-        at the ``end`` of a run their buffers (the ON_READ read) and the parameters they wrote."""
+        their gradients before every merge (a no-op for gradients every replica still holds as handed), the
+        check of what they wrote, and at the ``end`` of a run their buffers (the ON_READ read) and the
+        parameters they wrote."""
         pending = self.views.gradients_to_sum()
         if pending:
             pairs: Pairs = [(PerReplica(tuple(grads)), (p.device,)) for p, grads in pending]
             totals = self._ops.batch_reduce_implementation(ReduceOp.SUM, pairs, None)
             self.views.set_gradients([p for p, _ in pending], totals)
+        self.check_writes()
         if end:
-            self.check_writes()
             self.fold_buffers(parameters=True)
 
     def check_writes(self) -> None:

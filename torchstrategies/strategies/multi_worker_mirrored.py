@@ -60,18 +60,18 @@ from torchstrategies.distribute.values import (
     Reducible,
     local_results,
 )
-from torchstrategies.errors import TorchStrategiesError, UnavailableError
+from torchstrategies.errors import ReplicaDivergenceError, TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._grad_sync import (
     CompressionHook,
     GradBucket,
     GradientSynchronizer,
     Hook,
-    Synchronizers,
     allreduce_hook,
 )
 from torchstrategies.strategies._health import HealthMonitor
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader
+from torchstrategies.strategies._step_sync import Synchronizers
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds", "GradBucket",
            "allreduce_hook", "CompressionHook"]
@@ -149,11 +149,13 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             except Exception:  # noqa: BLE001 - heartbeats are diagnostics only
                 pass
         self._health = HealthMonitor(store, self._rank, self._world)
-        self._synchronizers = Synchronizers()
+        self._synchronizers = Synchronizers(self._new_synchronizer)
+        self._modules: list[weakref.ref[torch.nn.Module]] = []  # made in the scope: their buffers
+        self._pending_optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # made in the scope
         self._comm_hook: Hook | None = None if self._compression is None else CompressionHook(self._compression)
         # Tensors already broadcast, by identity that dies with them (an id() would be reused by a new one).
         self._synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._hooks = [register_optimizer_step_pre_hook(self._synchronizers.before_step)]
+        self._hooks = [register_optimizer_step_pre_hook(self._before_step)]
         self._closed = False
         _LIVE.add(self)
         atexit.register(self.shutdown)
@@ -307,14 +309,84 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             module.to(self._device)  # parameters keep their identity; moved buffers are new tensors
         params = [p for p in module.parameters() if p not in self._synced]
         buffers = [b for b in module.buffers() if b not in self._synced]
+        self._modules.append(weakref.ref(module))
+        self._adopt(params, buffers)
+
+    def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer made in the scope over parameters made outside it (a model built before the
+        strategy): they are broadcast from rank 0 and their gradients synchronized, as a model made in the
+        scope (Mirrored replicates them the same way); that model's buffers stay per rank."""
+        self._pending_optimizers.append(weakref.ref(optimizer))
+
+    def _flush_created(self) -> None:
+        super()._flush_created()  # the modules first: an optimizer made in the scope adopts only the rest
+        pending, self._pending_optimizers = self._pending_optimizers, []
+        for optimizer in (r() for r in pending):
+            if optimizer is not None:
+                params = [p for g in optimizer.param_groups for p in g["params"] if p not in self._synced]
+                if params:
+                    self._adopt(list(dict.fromkeys(params)), [])
+
+    def _adopt(self, params: list[torch.nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        """Broadcasts ``params`` and ``buffers`` from rank 0 and synchronizes the gradients of ``params``
+        (the trainable ones now, the others once made trainable)."""
         self.broadcast_tensors([p.data for p in params] + buffers, src=0)
-        trainable = [p for p in params if p.requires_grad]
-        if trainable:
-            sync = GradientSynchronizer(trainable, self.process_group, self._options.bytes_per_pack,
-                                        self._comm_hook, self._health)
-            self._synchronizers.add(sync)
+        if params:
+            self._synchronizers.add(self._new_synchronizer(params, True))
         for t in itertools.chain(params, buffers):
             self._synced[t] = True
+
+    def _new_synchronizer(self, params: list[torch.nn.Parameter], autograd_hooks: bool) -> GradientSynchronizer:
+        return GradientSynchronizer(params, self.process_group, self._options.bytes_per_pack, self._comm_hook,
+                                    self._health, autograd_hooks=autograd_hooks)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
+        (``_step_sync.py``), and the buffers of the modules made in the scope are made equal on every rank
+        (the one point per step where buffers are synchronized, docs/strategies.md)."""
+        if not self._synchronizers.watches(optimizer):
+            return  # an optimizer of another strategy, or of plain torch beside the strategy
+        self._synchronizers.before_step(optimizer)
+        self.sync_buffers()
+
+    def sync_buffers(self) -> None:
+        """Floating buffers of the modules made in the scope become their cross-worker MEAN; integer
+        buffers must be equal on every rank. Every worker calls it (at each ``optimizer.step()``).
+
+        Raises:
+            ReplicaDivergenceError: an integer buffer (e.g. ``num_batches_tracked``) differs between ranks.
+        """
+        named: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for m in (r() for r in self._modules):
+            if m is None:
+                continue
+            for name, b in m.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    named.append((f"{type(m).__name__}.{name}", b))
+        floats = [b for _, b in named if b.is_floating_point() or b.is_complex()]
+        if floats:
+            means = self.all_reduce_tensors(ReduceOp.MEAN, floats)
+            with torch.no_grad():
+                for b, v in zip(floats, means):
+                    b.copy_(v)
+        ints = [(n, b) for n, b in named if not (b.is_floating_point() or b.is_complex())]
+        if ints:
+            flat = torch.cat([b.reshape(-1).to(torch.int64) for _, b in ints])
+            (most,) = self.all_reduce_tensors(ReduceOp.MAX, [torch.cat([flat, -flat])])
+            if not (torch.equal(most[:flat.numel()], flat) and torch.equal(-most[flat.numel():], flat)):
+                off = 0
+                for name, b in ints:
+                    k = b.numel()
+                    if not (torch.equal(most[off:off + k], flat[off:off + k])
+                            and torch.equal(-most[flat.numel() + off:flat.numel() + off + k], flat[off:off + k])):
+                        raise ReplicaDivergenceError(
+                            f"The integer buffer {name} differs between the ranks at optimizer.step() (rank "
+                            f"{self._rank} holds {b.tolist() if k <= 8 else 'a different value'}): every replica "
+                            "must write the same value to it. Write it from values that are the same on every "
+                            "rank (all-reduced), or make it a floating buffer (averaged across the ranks)")
+                    off += k
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

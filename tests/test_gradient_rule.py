@@ -1,0 +1,206 @@
+"""Issue 35: one gradient rule in every strategy. After ``loss.backward()`` returns inside a step every
+``.grad`` is the cross-replica sum; the optimizer applies the cross-replica sum of whatever gradients it is
+about to apply, never summing one twice; buffers are made equal at every optimizer step; a write in replica
+context that leaves the replicas' copies different is a named error. Parity is float64 against plain torch
+on one device with the global batch, to 1e-9 (workloads: tests/_grad_rule.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchstrategies as ts
+from tests import _conformance as C
+from tests import _grad_rule as G
+from tests.harness import run_ranks
+
+STRATEGIES = {
+    "mirrored2": lambda: ts.MirroredStrategy(num_replicas=2),
+    "mirrored3": lambda: ts.MirroredStrategy(num_replicas=3),
+    "central_storage": lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
+}
+_reference: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def reference(workload: str) -> dict[str, torch.Tensor]:
+    if workload not in _reference:
+        _reference[workload] = G.train(workload, C.Runner(None))
+    return _reference[workload]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("workload", [w for w in G.PARITY if w != "sparse"])
+def test_in_process_strategy_applies_the_global_gradient_like_one_device(workload, strategy_name):
+    got = G.train(workload, C.Runner(STRATEGIES[strategy_name]()))
+    C.assert_same(got, reference(workload), workload)
+
+
+def _mwms_body(rank: int, world: int) -> dict[str, dict[str, list]]:
+    import torchstrategies as ts
+    from tests import _conformance as C
+    from tests import _grad_rule as G
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    out = {}
+    try:
+        for workload in G.PARITY:
+            state = G.train(workload, C.Runner(strategy))
+            out[workload] = {k: v.tolist() for k, v in state.items()}
+    finally:
+        strategy.shutdown()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_multi_worker_mirrored_applies_the_global_gradient_like_one_device():
+    """Cases 1-6 of the issue (unfrozen later, assigned gradients, a model made outside the scope, buffers,
+    sparse gradients, dtype changed after the scope) and clipping / manual updates, on 2 processes."""
+    results = run_ranks(_mwms_body, 2, timeout=240)
+    failures = []
+    for workload in G.PARITY:
+        got = {k: torch.tensor(v, dtype=torch.float64) for k, v in results[0][workload].items()}
+        other = {k: torch.tensor(v, dtype=torch.float64) for k, v in results[1][workload].items()}
+        try:
+            C.assert_same(got, other, workload)  # every rank holds the same model and buffers
+            C.assert_same(got, reference(workload), workload)
+        except AssertionError as e:
+            failures.append(f"{workload}: {str(e)[:300]}")
+    assert not failures, "\n".join(failures)
+
+
+# --- named errors, in-process -------------------------------------------------------------------------------
+def _run_steps(strategy, model, step, features: int = 6) -> None:
+    runner = C.Runner(strategy)
+    for s in range(2):
+        x, y = G._data(s, features)
+        runner.run(step, *runner.split(x, y))
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_an_embedding_renormalized_in_forward_per_replica_is_a_named_error(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        emb = torch.nn.Embedding(10, 3, max_norm=0.5).double()  # renormalizes the rows it looks up, in place
+        opt = torch.optim.SGD(emb.parameters(), lr=G.LR)
+
+    def step(x, y):
+        opt.zero_grad()
+        C.Runner(strategy).loss(emb((x.abs() * 3).long().clamp(max=9)).sum((1, 2))).backward()
+        opt.step()
+
+    with pytest.raises(ts.errors.ReplicaDivergenceError, match=r"Embedding\.weight.*merge_call"):
+        _run_steps(strategy, emb, step)
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_a_manual_update_from_per_replica_values_is_a_named_error(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model = G._mlp()
+
+    def step(x, y):
+        with torch.no_grad():
+            model[2].bias.add_(x.mean())  # each replica's own batch: the copies split
+
+    with pytest.raises(ts.errors.ReplicaDivergenceError, match=r"parameter Sequential\.2\.bias"):
+        _run_steps(strategy, model, step)
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_an_integer_buffer_the_replicas_wrote_differently_is_a_named_error(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model = G._mlp()
+        model.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        opt = torch.optim.SGD(model.parameters(), lr=G.LR)
+
+    def step(x, y):
+        opt.zero_grad()
+        model.seen.add_(int(ts.get_replica_context().replica_id_in_sync_group))
+        C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+        opt.step()
+
+    with pytest.raises(ts.errors.ReplicaDivergenceError, match=r"integer buffer Sequential\.seen"):
+        _run_steps(strategy, model, step)
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_replicas_stepping_different_optimizers_is_a_merge_call_mismatch(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model = G._mlp()
+        opt_a = torch.optim.SGD(model[0].parameters(), lr=G.LR)
+        opt_b = torch.optim.SGD(model[2].parameters(), lr=G.LR)
+
+    def step(x, y):
+        C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+        (opt_a if ts.get_replica_context().replica_id_in_sync_group == 0 else opt_b).step()
+
+    with pytest.raises(RuntimeError, match=r"different functions.*SGD\.step.*SGD\.step"):
+        _run_steps(strategy, model, step)
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_an_optimizer_made_in_another_strategys_scope_is_an_error_in_run(strategy_name):
+    other = ts.MirroredStrategy(num_replicas=2)
+    with other.scope():
+        model = G._mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=G.LR)
+    strategy = STRATEGIES[strategy_name]()
+
+    def step(x, y):
+        opt.zero_grad()
+        C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+        opt.step()
+
+    with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+        _run_steps(strategy, model, step)
+
+
+def test_every_replica_reads_the_global_gradient_after_backward():
+    strategy = ts.MirroredStrategy(num_replicas=3)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = G._mlp()
+    x, y = G._data(0)
+    torch.manual_seed(0)
+    ref = G._mlp()
+    C.Runner(None).loss((ref(x) - y).pow(2).sum(1)).backward()
+
+    def step(x, y):
+        C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    runner = C.Runner(strategy)
+    grads = strategy.run(step, args=runner.split(x, y))
+    for i, p in enumerate(ref.parameters()):
+        for g in strategy.experimental_local_results(grads[i]):
+            torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12)
+
+
+# --- named errors, MultiWorkerMirrored -----------------------------------------------------------------------
+def _mwms_integer_buffer(rank: int, world: int) -> str:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = torch.nn.Linear(2, 1).double()
+            model.register_buffer("seen", torch.zeros((), dtype=torch.long))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.seen.add_(rank)
+        model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        try:
+            opt.step()
+        except ts.errors.ReplicaDivergenceError as e:
+            return str(e)
+        return "no error"
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_multi_worker_integer_buffer_that_ranks_wrote_differently_is_a_named_error():
+    for message in run_ranks(_mwms_integer_buffer, 2, timeout=90):
+        assert "Linear.seen" in message, message
