@@ -15,10 +15,12 @@ from tests import _grad_rule as G
 from tests.harness import run_ranks
 
 STRATEGIES = {
+    "one_device": lambda: ts.OneDeviceStrategy("cpu"),
     "mirrored2": lambda: ts.MirroredStrategy(num_replicas=2),
     "mirrored3": lambda: ts.MirroredStrategy(num_replicas=3),
     "central_storage": lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
 }
+REPLICATED = [name for name in STRATEGIES if name != "one_device"]  # where replicas can split
 _reference: dict[str, dict[str, torch.Tensor]] = {}
 
 
@@ -30,7 +32,7 @@ def reference(workload: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy_name", list(STRATEGIES))
-@pytest.mark.parametrize("workload", [w for w in G.PARITY if w != "sparse"])
+@pytest.mark.parametrize("workload", G.PARITY)
 def test_in_process_strategy_applies_the_global_gradient_like_one_device(workload, strategy_name):
     got = G.train(workload, C.Runner(STRATEGIES[strategy_name]()))
     C.assert_same(got, reference(workload), workload)
@@ -87,7 +89,7 @@ def _run_steps(strategy, model, step, features: int = 6) -> None:
         runner.run(step, *runner.split(x, y))
 
 
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_an_embedding_renormalized_in_forward_per_replica_is_a_named_error(strategy_name):
     strategy = STRATEGIES[strategy_name]()
     with strategy.scope():
@@ -103,7 +105,7 @@ def test_an_embedding_renormalized_in_forward_per_replica_is_a_named_error(strat
         _run_steps(strategy, emb, step)
 
 
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_a_manual_update_from_per_replica_values_is_a_named_error(strategy_name):
     strategy = STRATEGIES[strategy_name]()
     with strategy.scope():
@@ -117,7 +119,7 @@ def test_a_manual_update_from_per_replica_values_is_a_named_error(strategy_name)
         _run_steps(strategy, model, step)
 
 
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_an_integer_buffer_the_replicas_wrote_differently_is_a_named_error(strategy_name):
     strategy = STRATEGIES[strategy_name]()
     with strategy.scope():
@@ -135,7 +137,7 @@ def test_an_integer_buffer_the_replicas_wrote_differently_is_a_named_error(strat
         _run_steps(strategy, model, step)
 
 
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_replicas_stepping_different_optimizers_is_a_merge_call_mismatch(strategy_name):
     strategy = STRATEGIES[strategy_name]()
     with strategy.scope():
@@ -151,7 +153,7 @@ def test_replicas_stepping_different_optimizers_is_a_merge_call_mismatch(strateg
         _run_steps(strategy, model, step)
 
 
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_an_optimizer_made_in_another_strategys_scope_is_an_error_in_run(strategy_name):
     other = ts.MirroredStrategy(num_replicas=2)
     with other.scope():
