@@ -216,3 +216,46 @@ def _mwms_integer_buffer(rank: int, world: int) -> str:
 def test_multi_worker_integer_buffer_that_ranks_wrote_differently_is_a_named_error():
     for message in run_ranks(_mwms_integer_buffer, 2, timeout=90):
         assert "Linear.seen" in message, message
+
+
+# --- MultiWorkerMirrored's divergence check --------------------------------------------------------------
+def _mwms_divergence(rank: int, world: int, every: int) -> list[str]:
+    import tempfile
+
+    import torchstrategies as ts
+    from torchstrategies.checkpoint import Checkpoint
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    out = []
+    try:
+        strategy.extended.divergence_check.every = every
+        with strategy.scope():
+            model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        path = tempfile.mkdtemp() + "/ckpt.pt"
+        Checkpoint(model=model).save(path)  # same everywhere: passes
+        for step in range(4):
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    model[1].bias.add_(1.0)  # rank 1 alone: the ranks split silently
+            model(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                out.append(str(e))
+                break
+        if not out:
+            try:
+                Checkpoint(model=model).save(path)
+            except ts.errors.ReplicaDivergenceError as e:
+                out.append(str(e))
+    finally:
+        strategy.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every,when", [(1, "optimizer step 3"), (0, "checkpoint save")])
+def test_multi_worker_divergence_check_names_the_first_differing_parameter_and_the_step(every, when):
+    for messages in run_ranks(_mwms_divergence, 2, args=(every,), timeout=90):
+        assert len(messages) == 1 and "Sequential.1.bias" in messages[0] and when in messages[0], messages
