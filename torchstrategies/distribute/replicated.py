@@ -140,7 +140,7 @@ class ReplicatedTensors:
         means = [(t, comps) for t, comps in owned if len(comps) > 1 and _averaged(t)]
         averaged = {}
         if means:
-            pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
+            pairs: Pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
             reduced = self._ops.batch_reduce_implementation(ReduceOp.MEAN, pairs, None)
             averaged = {id(t): v for (t, _), v in zip(means, reduced)}
         written = []
