@@ -16,7 +16,7 @@ from tests._conformance import B, Runner
 LR = 0.1
 STEPS = 3
 PARITY = ("clip", "manual_update", "assigned", "unfreeze", "outside_model", "running_buffer", "sparse",
-          "double_after_scope", "accumulate_then_clip")
+          "double_after_scope", "accumulate_then_clip", "reentrant_checkpoint")
 
 
 def _data(step: int, features: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +85,11 @@ def train(workload: str, runner: Runner) -> dict[str, torch.Tensor]:  # noqa: C9
     opts = opt if isinstance(opt, list) else [opt]
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if workload == "reentrant_checkpoint":  # its backward calls torch.autograd.backward inside backward
+            from torch.utils.checkpoint import checkpoint
+
+            h = model[0](x * 0.5) + checkpoint(model[0], x.requires_grad_(), use_reentrant=True)
+            return runner.loss((model[2](model[1](h)) - y).pow(2).sum(1))  # model[0]: inside and outside
         if workload == "running_buffer":
             return runner.loss(model(x, y).pow(2).sum(1))
         if workload == "sparse":

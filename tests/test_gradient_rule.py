@@ -72,6 +72,10 @@ def test_multi_worker_mirrored_applies_the_global_gradient_like_one_device(workl
     """Cases 1-6 of the issue (unfreeze: parameters unfrozen after the scope; assigned: gradients assigned
     to p.grad; outside_model: a model made outside the scope; running_buffer: buffers; sparse; double_after
     _scope: dtype changed after the scope) and clipping / manual updates / accumulation, on 2 processes."""
+    if workload == "reentrant_checkpoint":  # a backward inside a backward: refused, as DDP does
+        for r in mwms_results:
+            assert "use_reentrant=False" in str(r[workload]), r[workload]
+        return
     states = []
     for r in mwms_results:
         got = r[workload]

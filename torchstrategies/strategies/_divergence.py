@@ -1,4 +1,4 @@
-"""MultiWorkerMirroredStrategy's divergence check: every rank must hold the same parameters and buffers.
+"""MultiWorkerMirroredStrategy's divergence check: every rank must hold the same parameters.
 
 A fingerprint per tensor (two int64 numbers from its bits: the sum of its 32-bit words and the sum of the
 squares of their low 16 bits; exact and independent of summation order, so equal tensors give equal

@@ -386,7 +386,15 @@ class GradientSynchronizer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:
-            return  # the same parameter used twice in one graph accumulates before this hook; nothing new
+            if bucket.launched:  # a second accumulation after its bucket was sent: it would be lost
+                self._state = _IDLE
+                raise RuntimeError(
+                    f"A gradient of a parameter of shape {tuple(param.shape)} was accumulated twice in one "
+                    "backward, after its bucket was sent to the other workers: a backward inside a backward "
+                    "(torch.utils.checkpoint with use_reentrant=True over a parameter also used outside the "
+                    "checkpoint) is not supported by MultiWorkerMirroredStrategy (nor by DDP); use "
+                    "checkpoint(..., use_reentrant=False)")
+            return  # accumulated in place into its view before the bucket left: nothing new
         self._take_grad(bucket, i, param)
         bucket.ready[i] = True
         bucket.pending -= 1

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -111,6 +112,13 @@ def _summed_gradients(strategy: Strategy) -> None:
 _summed_gradients._torchstrategies_merge_key = "backward"  # type: ignore[attr-defined]
 
 
+class _Depth(threading.local):
+    depth = 0
+
+
+_nested = _Depth()  # backward calls running in this thread
+
+
 def _synced_backward() -> None:
     """Wraps ``torch.autograd.backward`` (``Tensor.backward`` calls it): inside an in-process replica of a
     strategy with several replicas it is followed by a merge_call, so when it returns every ``.grad`` of a
@@ -123,10 +131,14 @@ def _synced_backward() -> None:
     @functools.wraps(orig)
     def backward(*args: Any, **kwargs: Any) -> Any:
         replica = current_replica()
-        if replica is None:
+        if replica is None or _nested.depth:  # (a backward inside a backward: reentrant checkpointing)
             return orig(*args, **kwargs)
         replica.run.views.release()
-        result = orig(*args, **kwargs)
+        _nested.depth += 1
+        try:
+            result = orig(*args, **kwargs)
+        finally:
+            _nested.depth -= 1
         merge_call(replica, _summed_gradients, (), {})
         return result
 

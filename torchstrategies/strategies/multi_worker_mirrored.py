@@ -358,7 +358,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return  # an optimizer of another strategy, or of plain torch beside the strategy
         self._synchronizers.before_step(optimizer)
         self.sync_buffers()
-        self.divergence_check.on_step(self.named_state)
+        self.divergence_check.on_step(self.named_parameters)
 
     def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         (out,) = self.all_reduce_tensors(ReduceOp.MAX, [t.to(self._device)])
@@ -377,10 +377,14 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                     named.append((f"{type(m).__name__}.{name}", t))
         return named
 
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in self.named_state() if isinstance(t, torch.nn.Parameter)]
+
     def check_divergence(self, when: str = "a checkpoint save") -> None:
-        """Raises ``ReplicaDivergenceError`` unless every rank holds the same parameters and buffers of the
-        modules made in the scope (one small all-reduce). Every worker calls it."""
-        self.divergence_check.check(self.named_state(), when)
+        """Raises ``ReplicaDivergenceError`` unless every rank holds the same parameters of the modules made
+        in the scope (one small all-reduce; buffers are ON_READ: made equal at each step, averaged by a
+        checkpoint save). Every worker calls it."""
+        self.divergence_check.check(self.named_parameters(), when)
 
     def sync_buffers(self) -> None:
         """Floating buffers of the modules made in the scope become their cross-worker MEAN; integer
