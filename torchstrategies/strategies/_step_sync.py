@@ -21,9 +21,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from torchstrategies.errors import ReplicaDivergenceError
+from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._grad_sync import GradientSynchronizer, Hook
 
-__all__ = ["Synchronizers"]
+__all__ = ["Synchronizers", "average_buffers"]
 
 
 class Synchronizers:
@@ -114,3 +116,34 @@ def _needs_reduction(p: torch.nn.Parameter, owner: GradientSynchronizer | None) 
     if owner is None or not owner.synchronizes(p):  # (trainable or not: the same on every rank)
         return p.requires_grad or p.grad is not None
     return p.grad is not None and not owner.proven(p)
+
+
+def average_buffers(named: list[tuple[str, torch.Tensor]],
+                    all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int) -> None:
+    """Floating buffers become their MEAN over the ranks; integer ones must be equal on every rank.
+
+    Raises:
+        ReplicaDivergenceError: an integer buffer differs between ranks (named).
+    """
+    floats = [b for _, b in named if b.is_floating_point() or b.is_complex()]
+    if floats:
+        means = all_reduce(ReduceOp.MEAN, floats)
+        with torch.no_grad():
+            for b, v in zip(floats, means):
+                b.copy_(v)
+    ints = [(n, b) for n, b in named if not (b.is_floating_point() or b.is_complex())]
+    if ints:
+        flat = torch.cat([b.reshape(-1).to(torch.int64) for _, b in ints])
+        (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])
+        if not (torch.equal(most[:flat.numel()], flat) and torch.equal(-most[flat.numel():], flat)):
+            off = 0
+            for name, b in ints:
+                k = b.numel()
+                if not (torch.equal(most[off:off + k], flat[off:off + k])
+                        and torch.equal(-most[flat.numel() + off:flat.numel() + off + k], flat[off:off + k])):
+                    raise ReplicaDivergenceError(
+                        f"The integer buffer {name} differs between the ranks at optimizer.step() (rank "
+                        f"{rank} holds {b.tolist() if k <= 8 else 'a different value'}): every replica "
+                        "must write the same value to it. Write it from values that are the same on every "
+                        "rank (all-reduced), or make it a floating buffer (averaged across the ranks)")
+                off += k

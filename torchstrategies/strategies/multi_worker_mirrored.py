@@ -61,7 +61,7 @@ from torchstrategies.distribute.values import (
     Reducible,
     local_results,
 )
-from torchstrategies.errors import ReplicaDivergenceError, TorchStrategiesError, UnavailableError
+from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._divergence import DivergenceCheck
 from torchstrategies.strategies._grad_sync import (
@@ -73,7 +73,7 @@ from torchstrategies.strategies._grad_sync import (
 )
 from torchstrategies.strategies._health import HealthMonitor
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader
-from torchstrategies.strategies._step_sync import Synchronizers
+from torchstrategies.strategies._step_sync import Synchronizers, average_buffers
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds", "GradBucket",
            "allreduce_hook", "CompressionHook"]
@@ -364,21 +364,21 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         (out,) = self.all_reduce_tensors(ReduceOp.MAX, [t.to(self._device)])
         return out.cpu()
 
-    def named_state(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters and buffers of the modules made in the scope, by name (module class + path)."""
+    def _named(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
+        """The parameters (or buffers) of the modules made in the scope, named by module class and path."""
         named: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for m in (r() for r in self._modules):
             if m is None:
                 continue
-            for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            for name, t in (m.named_buffers() if buffers else m.named_parameters()):
                 if id(t) not in seen:
                     seen.add(id(t))
                     named.append((f"{type(m).__name__}.{name}", t))
         return named
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, t) for n, t in self.named_state() if isinstance(t, torch.nn.Parameter)]
+        return self._named(buffers=False)
 
     def check_divergence(self, when: str = "a checkpoint save") -> None:
         """Raises ``ReplicaDivergenceError`` unless every rank holds the same parameters of the modules made
@@ -393,29 +393,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         Raises:
             ReplicaDivergenceError: an integer buffer (e.g. ``num_batches_tracked``) differs between ranks.
         """
-        named = [(n, t) for n, t in self.named_state() if not isinstance(t, torch.nn.Parameter)]
-        floats = [b for _, b in named if b.is_floating_point() or b.is_complex()]
-        if floats:
-            means = self.all_reduce_tensors(ReduceOp.MEAN, floats)
-            with torch.no_grad():
-                for b, v in zip(floats, means):
-                    b.copy_(v)
-        ints = [(n, b) for n, b in named if not (b.is_floating_point() or b.is_complex())]
-        if ints:
-            flat = torch.cat([b.reshape(-1).to(torch.int64) for _, b in ints])
-            (most,) = self.all_reduce_tensors(ReduceOp.MAX, [torch.cat([flat, -flat])])
-            if not (torch.equal(most[:flat.numel()], flat) and torch.equal(-most[flat.numel():], flat)):
-                off = 0
-                for name, b in ints:
-                    k = b.numel()
-                    if not (torch.equal(most[off:off + k], flat[off:off + k])
-                            and torch.equal(-most[flat.numel() + off:flat.numel() + off + k], flat[off:off + k])):
-                        raise ReplicaDivergenceError(
-                            f"The integer buffer {name} differs between the ranks at optimizer.step() (rank "
-                            f"{self._rank} holds {b.tolist() if k <= 8 else 'a different value'}): every replica "
-                            "must write the same value to it. Write it from values that are the same on every "
-                            "rank (all-reduced), or make it a floating buffer (averaged across the ranks)")
-                    off += k
+        average_buffers(self._named(buffers=True), self.all_reduce_tensors, self._rank)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
