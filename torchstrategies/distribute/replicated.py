@@ -16,12 +16,19 @@ everything at the end of ``run``):
 
 * gradients are SUM (ON_READ): ``p.grad`` becomes the sum of the gradients the replicas have, through the
   strategy's ``CrossDeviceOps`` (its ``AggregationMethod`` kernel); a parameter that no replica gave a
-  gradient keeps ``.grad is None``; replica 0's gradient then is that sum and the others have none, so
-  gradient accumulation across steps (no ``zero_grad``) adds each step's gradient once, as on one device;
-* buffers are ON_READ with MEAN (floating) or ONLY_FIRST_REPLICA (integer, e.g. ``num_batches_tracked``):
-  at the end of ``run`` the primary becomes the aggregate and every component restarts from it at the next
-  run. For the linear updates buffers get (running averages, counters) this equals TF's ON_READ value.
-  (Inside a merge function a buffer reads as replica 0's component);
+  gradient keeps ``.grad is None``; every replica then holds the sum (replica 0 the primary's gradient, the
+  others a copy), and a fold that finds every replica still holding what it was handed sums nothing. A
+  backward in replica k > 0 first drops its copy (``release``), so gradient accumulation across backward
+  passes or steps (no ``zero_grad``) adds each gradient once, as on one device. ``loss.backward()`` inside
+  ``run`` ends in a merge_call (``strategies/mirrored.py``), so after it every ``.grad`` is the sum;
+* buffers are ON_READ with MEAN: at every optimizer step (its merge) and at the end of ``run`` the primary
+  becomes the replicas' mean (floating) and every component restarts from it; integer buffers the replicas
+  wrote differently raise ``ReplicaDivergenceError``. For the linear updates buffers get (running
+  averages, counters) this equals TF's ON_READ value. (Inside another merge function a buffer reads as
+  replica 0's component);
+* writes in replica context: a parameter (or integer buffer) whose version moved while a replica ran is
+  compared across the replicas at the next fold; copies that differ raise ``ReplicaDivergenceError``
+  naming it;
 * parameters are ON_WRITE with aggregation NONE (TF 2.x): a replica's write stays in its component, and a
   cross-replica read gives component 0's value.
 
