@@ -74,16 +74,9 @@ class Runner:
         return ts.compute_average_loss(per_example, global_batch_size=B)
 
     def clip(self, params: list[torch.Tensor], max_norm: float) -> None:
-        """clip_grad_norm_ on the global gradient: in a merge_call, after the replicas' sum is formed."""
-        if self.strategy is None:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return
-        import torchstrategies as ts
-
-        def merged(strategy: Any) -> None:  # cross-replica context: p.grad is the replicas' sum
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-        ts.get_replica_context().merge_call(merged)
+        """clip_grad_norm_ between backward and step, as on one device: after backward every ``.grad`` is
+        the global gradient in every strategy (docs/strategies.md, "The gradient rule")."""
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def _data(step: int, shape: tuple[int, ...], classes: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -1,5 +1,6 @@
 """A picture of torch's process-wide state that a library can patch: the attributes of torch's module,
-optimizer, scheduler and grad-scaler classes (and of every subclass loaded so far), and the global hook
+optimizer, scheduler and grad-scaler classes (and of every subclass loaded so far), ``torch.autograd``'s
+``backward`` and ``grad``, and the global hook
 registries of ``torch.nn.modules.module`` and ``torch.optim.optimizer``. ``changes(before, after)`` lists
 what differs, by identity, so a test can say that torch was left as it was found."""
 
@@ -10,6 +11,7 @@ import importlib
 import torch
 
 _REGISTRY_MODULES = ("torch.nn.modules.module", "torch.optim.optimizer")
+_FUNCTIONS = {"torch.autograd": ("backward", "grad")}   # module functions a library may wrap
 
 
 def _classes() -> list[type]:
@@ -30,6 +32,9 @@ def snapshot() -> dict[str, dict[str, object]]:
     pic: dict[str, dict[str, object]] = {}
     for cls in _classes():
         pic[f"class {cls.__module__}.{cls.__qualname__} at {id(cls):#x}"] = dict(vars(cls))
+    for name, attrs in _FUNCTIONS.items():
+        mod = importlib.import_module(name)
+        pic[f"functions {name}"] = {a: getattr(mod, a) for a in attrs}
     for name in _REGISTRY_MODULES:
         mod = importlib.import_module(name)
         for attr, value in vars(mod).items():

@@ -43,7 +43,7 @@ def test_parameters_and_buffers_created_in_scope_are_replicated():
     assert not s.extended.variable_created_in_scope(outside.weight)
 
 
-def test_each_replica_computes_with_its_own_copy_and_gets_its_own_gradient():
+def test_each_replica_computes_with_its_own_copy_and_reads_the_global_gradient_after_backward():
     s = ts.MirroredStrategy(num_replicas=3)
     with s.scope():
         lin = torch.nn.Linear(2, 1, bias=False)
@@ -56,8 +56,8 @@ def test_each_replica_computes_with_its_own_copy_and_gets_its_own_gradient():
         return lin.weight.grad.clone()
 
     grads = s.experimental_local_results(s.run(fn))
-    for i, g in enumerate(grads):
-        torch.testing.assert_close(g, torch.full((1, 2), float(i + 1)))
+    for g in grads:  # after backward every replica holds the sum of 1, 2 and 3, as one device would
+        torch.testing.assert_close(g, torch.full((1, 2), 6.0))
     # cross-replica context sees the sum, as one device's .grad after the three slices' backward passes
     torch.testing.assert_close(lin.weight.grad, torch.full((1, 2), 6.0))
     comps = s.extended.replica_components(lin.weight)
@@ -162,7 +162,7 @@ def test_deepcopy_gives_a_plain_module():
     torch.testing.assert_close(clone[0].weight, model[0].weight.detach())
 
 
-def test_clip_grad_norm_inside_run_acts_on_the_replica_gradients():
+def test_clip_grad_norm_inside_run_acts_on_the_global_gradient():
     s, lin, opt = _scalar_model_at_zero()
 
     def fn():
@@ -173,8 +173,8 @@ def test_clip_grad_norm_inside_run_acts_on_the_replica_gradients():
 
     s.run(fn)
     assert float(lin.weight.detach()) == pytest.approx(
-        -2.0, rel=1e-6
-    )  # each replica clipped to 1, then summed
+        -1.0, rel=1e-6
+    )  # the global gradient (10 + 20) clipped to 1, as on one device
 
 
 def test_optimizer_created_outside_scope_is_refused_inside_run():
@@ -199,10 +199,23 @@ def test_tied_weights_stay_one_parameter_and_lazy_modules_are_left_alone():
     assert lazy.weight.shape == (2, 4)
 
 
+class _LastMean(torch.nn.Module):
+    """A floating buffer written in forward: the mean of the last batch (BatchNorm with momentum 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.running_mean.copy_(x.mean(0))
+        return x
+
+
 def test_on_read_buffer_fold_counts_replicas_that_skipped_the_buffer_at_their_seeded_value():
     s = ts.MirroredStrategy(num_replicas=2)
     with s.scope():
-        bn = torch.nn.BatchNorm1d(1, momentum=1.0)
+        bn = _LastMean()
     x = s.experimental_distribute_values_from_function(
         lambda c: torch.full((2, 1), 4.0 * (c.replica_id_in_sync_group + 1))
     )

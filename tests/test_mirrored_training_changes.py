@@ -277,8 +277,8 @@ def test_replica_zero_grad_sets_only_that_replicas_gradients_to_none():
 
     s.run(fn)
     assert seen == {0: (True, [True, True]), 1: (True, [False, False])}
-    opt.step()  # cross-replica: the sum of the replicas' gradients, replica 1's alone here
-    torch.testing.assert_close(lin.weight.detach(), w0 - 2 * torch.full((1, 3), 2.0, dtype=torch.float64))
+    opt.step()  # cross-replica: replica 1 still holds the global gradient backward gave it (2 + 4)
+    torch.testing.assert_close(lin.weight.detach(), w0 - torch.full((1, 3), 6.0, dtype=torch.float64))
 
 
 def test_replica_zero_grad_after_backward_leaves_nothing_for_the_next_step():
@@ -393,13 +393,15 @@ def test_half_precision_gradients_are_summed(dtype):
     w0 = [p.detach().clone() for p in lin.parameters()]
     g = torch.Generator().manual_seed(5)
     xs = torch.randn(2, 2, 4, generator=g).to(dtype)
+    plain = copy.deepcopy(lin)  # (outside the scope: a plain module) each replica's own gradient
+    local = [torch.autograd.grad(plain(xs[k]).float().pow(2).sum(), list(plain.parameters())) for k in range(2)]
     per_replica = _replica_grads_then_step(
         s, list(lin.parameters()), opt, lambda: lin(xs[_rid()]).float().pow(2).sum()
     )
-    for p, p0, g0, g1 in zip(lin.parameters(), w0, *per_replica, strict=True):
-        assert g0.dtype == dtype and not torch.equal(g0, g1)
-        total = (g0.float() + g1.float()).to(dtype)
-        assert torch.equal(p.grad, total)  # the primary gradient: the replicas' sum
+    for p, p0, g0, g1, l0, l1 in zip(lin.parameters(), w0, *per_replica, *local, strict=True):
+        assert g0.dtype == dtype and torch.equal(g0, g1)  # after backward every replica holds the sum
+        total = (l0.float() + l1.float()).to(dtype)
+        assert torch.equal(p.grad, total) and torch.equal(g0, total)  # the replicas' sum
         assert torch.equal(p.detach(), p0.add(total, alpha=-LR))
 
 
@@ -422,7 +424,11 @@ def test_sparse_embedding_gradients_are_summed_like_one_device():
         per_replica = _replica_grads_then_step(s, [emb.weight], opt, lambda: emb(idx[_rid()]).pow(2).sum())
         (g0,), (g1,) = per_replica
         assert g0.is_sparse and g1.is_sparse
-        total = g0.to_dense() + g1.to_dense()
+        total = g0.to_dense()  # after backward every replica holds the sum
+        torch.testing.assert_close(g1.to_dense(), total, rtol=0, atol=0)
+        ref = torch.zeros_like(total)
+        ref.index_add_(0, idx.reshape(-1), 2 * w0[idx.reshape(-1)])
+        torch.testing.assert_close(total, ref, rtol=0, atol=1e-12)
         torch.testing.assert_close(emb.weight.grad.to_dense(), total, rtol=0, atol=1e-12)
         torch.testing.assert_close(emb.weight.detach(), w0 - LR * total, rtol=0, atol=1e-12)
         _replica_grads_then_step(s, [emb.weight], opt, lambda: emb(idx[_rid()]).pow(2).sum())
@@ -445,8 +451,8 @@ def test_a_parameter_without_gradient_on_one_replica_gets_the_other_replicas_gra
     for _ in range(2):  # the second step on the cached plan
         w0 = [p.detach().clone() for p in params]
         (aw0, ab0, bw0, bb0), (aw1, ab1, bw1, bb1) = _replica_grads_then_step(s, params, opt, loss)
-        assert bw0 is None and bb0 is None and bw1 is not None
-        for p, p0, total in zip(params, w0, [aw0 + aw1, ab0 + ab1, bw1, bb1], strict=True):
+        assert bw0 is not None and torch.equal(bw0, bw1)  # replica 0 too holds the sum after backward
+        for p, p0, total in zip(params, w0, [aw0, ab0, bw0, bb0], strict=True):
             torch.testing.assert_close(p.detach(), p0 - LR * total, rtol=0, atol=1e-12)
 
 

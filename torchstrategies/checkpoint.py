@@ -191,6 +191,8 @@ class Checkpoint:
     def save(self, path: str) -> str:
         """Writes a checkpoint to ``path`` (chief only, atomically); a collective under MultiWorkerMirrored."""
         ext = _mwms_extended()
+        if ext is not None:
+            ext.check_divergence(f"the checkpoint save to {path!r}")  # what the chief writes is every rank's
         state = self._state(ext)
         chief = ext is None or ext.should_checkpoint
         if chief:

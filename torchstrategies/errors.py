@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError"]
+__all__ = [
+    "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError"
+]
 
 
 class TorchStrategiesError(RuntimeError):
@@ -19,3 +21,8 @@ class DeadlineExceededError(TorchStrategiesError, TimeoutError):
 
 class CancelledError(TorchStrategiesError):
     """An operation was cancelled (e.g. a closure cancelled after an earlier error)."""
+
+
+class ReplicaDivergenceError(TorchStrategiesError):
+    """Replicas (in-process replicas or MultiWorkerMirrored ranks) hold different values of a tensor that
+    must be the same on every replica (a parameter, an integer buffer); the message names the tensor."""

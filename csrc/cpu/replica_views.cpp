@@ -21,10 +21,17 @@
 // are written without moving T's version, so every buffer is folded).
 //
 // Gradients: in the cross-replica view T.grad is the sum of the replicas' gradients, kept up to date by
-// the fold (gradients_to_sum / set_gradients) before any cross-replica code runs. After a sum, replica 0's
-// gradient IS the sum and the others have none, so the sum of the replicas' gradients stays the gradient
-// one device would hold: a later backward without zero_grad accumulates onto it once, and a write to the
-// cross-replica gradient (zero_grad, an assignment) is handed to replica 0 by the next `seed`.
+// the fold (gradients_to_sum / set_gradients) before any cross-replica code runs. After a sum EVERY
+// replica holds the sum (replica 0 the cross-replica tensor itself where it computes on P's device, the
+// others a copy of their own): the tensor handed to replica k is remembered, and a fold that finds every
+// replica still holding its handed tensor (in-place changes such as clipping allowed) knows the gradient is
+// already reduced and sums nothing (never twice). A backward in replica k > 0 first drops the handed
+// tensor (`release`), so a backward without zero_grad adds each replica's new gradient to the sum once.
+// A write to the cross-replica gradient (zero_grad, an assignment, an in-place change) is handed to every
+// replica by the next `seed`.
+//
+// Writes in replica context: `leave` notes each tensor whose version moved while replica k's view was in
+// (`written`), so the caller checks only those for replicas that wrote different values.
 //
 // _C.ThreadState: at::ThreadLocalState (grad mode, inference mode, autocast, saved-tensor hooks, torch
 // function/dispatch modes, profiler TLS), captured in the thread that calls strategy.run and entered around
@@ -72,6 +79,11 @@ struct Entry {
   Identity identity;              // P's identity at the last seed
   int64_t version = -1;           // T's version counter when the cross-replica view was last entered
   bool marked = false;            // written by cross-replica code that moves no version counter
+  std::vector<at::Tensor> handed; // the gradient handed to replica k by the last sum or seed
+  int64_t handed_version = -1;    // primary_grad's version when it was handed
+  int64_t first_version = -1;     // handed[0]'s version then (its in-place changes reach P's gradient)
+  int64_t enter_version = -1;     // T's version when a replica's view was entered
+  bool written = false;           // T's version moved in replica context since the last `written()`
 };
 
 bool same(const at::Tensor& a, const at::Tensor& b) {
@@ -106,9 +118,10 @@ class ReplicaViews {
       e.is_param = is_param;
       e.data.resize(n);
       e.grads.resize(n);
+      e.handed.resize(n);
       if (is_param) {
         e.primary_grad = t.grad();
-        e.grads[0] = e.primary_grad;  // a gradient it already has is replica 0's, as after a sum
+        hand_all(e, e.primary_grad);  // a gradient it already has is every replica's, as after a sum
       }
       next.push_back(std::move(e));
     };
@@ -127,9 +140,10 @@ class ReplicaViews {
       auto impl = e.ref.lock();
       if (!impl) continue;
       at::Tensor t(std::move(impl));
-      if (e.is_param && !same(t.grad(), e.primary_grad)) {
+      if (e.is_param && (!same(t.grad(), e.primary_grad) ||
+                         (e.primary_grad.defined() && e.primary_grad._version() != e.handed_version))) {
         e.primary_grad = t.grad();
-        hand_down(e, e.primary_grad);
+        hand_all(e, e.primary_grad);
       }
       Identity now = Identity::of(t);
       const bool replaced = !(now == e.identity);
@@ -177,8 +191,38 @@ class ReplicaViews {
         t.set_data(e.data[k]);
       }
       if (e.is_param) t.mutable_grad() = e.grads[k];
+      e.enter_version = t._version();
     }
     active_ = k;
+  }
+
+  // Before a backward in the active replica's view: a replica k > 0 drops the sum it was handed, so the
+  // backward's gradients are added to the sum once (replica 0 keeps it).
+  void release() {
+    if (active_ <= 0) return;
+    for (auto& e : entries_) {
+      if (!e.is_param) continue;
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      if (t.grad().defined() && same(t.grad(), e.handed[active_])) t.mutable_grad().reset();
+    }
+  }
+
+  // (T, [replica k's value of T]) for the tensors whose version moved in replica context since the last
+  // call; forgets them.
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> written() {
+    TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
+    std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
+    for (auto& e : entries_) {
+      if (!e.written) continue;
+      e.written = false;
+      auto impl = e.ref.lock();
+      if (!impl) continue;
+      at::Tensor t(std::move(impl));
+      out.emplace_back(t, components(e, t, devices_.size()));
+    }
+    return out;
   }
 
   // Replica view -> cross-replica view.
@@ -191,6 +235,7 @@ class ReplicaViews {
       if (!impl) continue;
       at::Tensor t(std::move(impl));
       if (e.is_param) e.grads[k] = t.grad();
+      if (t._version() != e.enter_version) e.written = true;
       if (owns_component(e, k)) {
         if (e.is_param) t.mutable_grad().reset();
         t.set_data(e.primary);
@@ -210,6 +255,17 @@ class ReplicaViews {
       auto impl = e.ref.lock();
       if (!impl) continue;
       at::Tensor t(std::move(impl));
+      bool reduced = e.handed[0].defined();
+      for (size_t k = 0; k < e.grads.size() && reduced; ++k) reduced = same(e.grads[k], e.handed[k]);
+      if (reduced) {  // every replica still holds the sum it was handed: nothing to sum
+        if (!same(e.handed[0], e.primary_grad) && e.handed[0]._version() != e.first_version) {
+          at::NoGradGuard no_grad;
+          e.primary_grad.copy_(e.handed[0]);  // replica 0's in-place change (clipping) reaches P's
+          e.first_version = e.handed[0]._version();
+          e.handed_version = e.primary_grad._version();
+        }
+        continue;
+      }
       std::vector<at::Tensor> grads;
       for (const auto& g : e.grads) {
         if (g.defined()) grads.push_back(g);
@@ -219,7 +275,7 @@ class ReplicaViews {
         continue;
       }
       at::Tensor total = grads.empty() ? at::Tensor() : grads[0];
-      if (same(total, e.primary_grad) && (!total.defined() || same(total, e.grads[0]))) continue;
+      if (!total.defined() && !e.primary_grad.defined()) continue;
       if (total.defined() && total.device() != t.device()) total = total.to(t.device());
       set_gradient(e, t, total);
     }
@@ -285,10 +341,29 @@ class ReplicaViews {
     return out;
   }
 
-  // Replica 0 starts from `g` (the cross-replica gradient), the others from none.
-  void hand_down(Entry& e, const at::Tensor& g) {
-    for (auto& x : e.grads) x.reset();
-    if (g.defined()) e.grads[0] = g.device() == devices_[0] ? g : g.to(devices_[0]);
+  // Every replica starts from `g` (the cross-replica gradient): replica 0 from `g` itself where it
+  // computes on its device, every other from a copy of its own (its previous gradient's memory where that
+  // fits), so that an in-place change in one replica (clipping) stays its own.
+  void hand_all(Entry& e, const at::Tensor& g) {
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < e.grads.size(); ++k) {
+      at::Tensor& x = e.grads[k];
+      if (!g.defined()) {
+        x.reset();
+      } else if (k == 0 && g.device() == devices_[0]) {
+        x = g;
+      } else if (x.defined() && !same(x, g) && x.layout() == at::kStrided && g.layout() == at::kStrided &&
+                 x.scalar_type() == g.scalar_type() && x.sizes() == g.sizes() && x.strides() == g.strides() &&
+                 x.device() == devices_[k] && !x.is_alias_of(g) &&
+                 (k == 0 || !e.grads[0].defined() || !x.is_alias_of(e.grads[0]))) {
+        x.copy_(g);
+      } else {
+        x = g.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
+      }
+      e.handed[k] = x;
+    }
+    e.handed_version = g.defined() ? g._version() : -1;
+    e.first_version = e.handed[0].defined() ? e.handed[0]._version() : -1;
   }
 
   void set_gradient(Entry& e, const at::Tensor& t, at::Tensor total) {
@@ -301,7 +376,7 @@ class ReplicaViews {
     }
     t.mutable_grad() = total;
     e.primary_grad = total;
-    hand_down(e, total);
+    hand_all(e, total);
   }
 
   std::vector<at::Device> devices_;
@@ -326,6 +401,8 @@ void init_replica_views_bindings(py::module_& m) {
       .def("mark", &ReplicaViews::mark, py::arg("tensors"))
       .def("enter", &ReplicaViews::enter, py::arg("replica"))
       .def("leave", &ReplicaViews::leave)
+      .def("release", &ReplicaViews::release)
+      .def("written", &ReplicaViews::written)
       .def("gradients_to_sum", &ReplicaViews::gradients_to_sum)
       .def("set_gradients", &ReplicaViews::set_gradients, py::arg("params"), py::arg("totals"))
       .def("owned_components", &ReplicaViews::owned_components)

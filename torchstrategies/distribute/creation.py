@@ -24,6 +24,7 @@ strategy exits, or at the next ``strategy.run``, whichever comes first.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -88,6 +89,7 @@ def _optimizer_init(orig: Callable[..., None]) -> Callable[..., None]:
         ext = current_extended()
         if ext is not None and not getattr(self, "_torchstrategies_seen", False):
             setattr(self, "_torchstrategies_seen", True)  # noqa: B010 - a mark on torch's class, not typed there
+            setattr(self, "_torchstrategies_owner", weakref.ref(ext))  # noqa: B010 - whose scope made it
             ext._on_optimizer_created(self)
 
     return __init__

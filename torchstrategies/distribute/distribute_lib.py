@@ -477,6 +477,21 @@ class Strategy:
         return self._extended._experimental_distribute_values_from_function(value_fn)
 
 
+def _refuse_keras(extended: StrategyExtended, module: torch.nn.Module) -> None:
+    """A Keras 3 model (torch backend) made in the scope of a strategy with several replicas would train
+    wrong: ``fit`` runs its own loop, outside ``strategy.run`` and the gradient rule. Refused until Keras is
+    supported (its classes are recognized by their module, so Keras is never imported here)."""
+    if extended._num_replicas_in_sync < 2:
+        return
+    if any(c.__module__.split(".")[0] == "keras" for c in type(module).__mro__):
+        raise NotImplementedError(
+            f"A Keras model ({type(module).__name__}) was made in the scope of {extended._container_strategy()!r}: "
+            "torchstrategies does not distribute Keras 3 models yet (Model.fit runs its own training loop, "
+            "outside strategy.run, so the replicas would not train as one model). Train the Keras model "
+            "without the strategy, or write the training step in PyTorch and run it with strategy.run"
+        )
+
+
 class StrategyExtended:
     """Extended API and subclass hooks of a strategy (``tf.distribute.StrategyExtended``)."""
 
@@ -759,6 +774,7 @@ class StrategyExtended:
                     children.add(id(c))
         for m in mods:
             if id(m) not in children:
+                _refuse_keras(self, m)
                 self._on_module_created(m)
 
     def _create_parameter(

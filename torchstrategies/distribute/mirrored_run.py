@@ -29,6 +29,7 @@ CUDA device is the replica's. A replica's merge_call may also come from another 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["acting_for", "call_for_each_replica", "current_replica", "merge_call"]
 
 _MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls"
+_MISMATCH_FN = "The replicas called replica_context().merge_call() with different functions"
 _SYNC_HINT = (
     "every replica must make the same synchronizing calls, e.g. optimizer.step(), all_reduce, "
     "compute_average_loss without global_batch_size, SyncBatchNorm in training mode"
@@ -251,6 +253,14 @@ class _Run:
         """Calls the merge function once in cross-replica context; gives each replica its part."""
         replicas = self.replicas
         merge_fn, args, kwargs = replicas[0].merge  # type: ignore[misc]
+        key = merge_key(merge_fn)
+        for r in replicas[1:]:
+            other = r.merge[0]  # type: ignore[index]
+            if other is not merge_fn and merge_key(other) != key:
+                raise self.fail(RuntimeError(
+                    f"{_MISMATCH_FN}: replica 0 waits in merge_call({_name(merge_fn)}) while replica {r.index} "
+                    f"waits in merge_call({_name(other)}) ({_SYNC_HINT}, in the same order)."
+                ))
         if any(r.merge[1] or r.merge[2] for r in replicas):  # type: ignore[index]
             args = regroup([r.merge[1] for r in replicas])  # type: ignore[index]
             kwargs = regroup([r.merge[2] for r in replicas])  # type: ignore[index]
@@ -274,8 +284,7 @@ class _Run:
     def _mismatch(self) -> str:
         done = [r.index for r in self.replicas if r.merge is None]
         waiting = [r.index for r in self.replicas if r.merge is not None]
-        fn = self.replicas[waiting[0]].merge[0]  # type: ignore[index]
-        name = getattr(fn, "__qualname__", None) or repr(fn)
+        name = _name(self.replicas[waiting[0]].merge[0])  # type: ignore[index]
         return (
             f"{_MISMATCH}: replicas {done} finished while replicas {waiting} wait in merge_call({name}) "
             f"({_SYNC_HINT})."
@@ -295,6 +304,28 @@ class _Run:
                     self._resume(r)
             if r.done and r.worker is not None:
                 _pool.give(r.worker)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def merge_key(fn: Callable[..., Any]) -> object:
+    """What makes two replicas' merge functions "the same": a key the wrapper gave it (an optimizer's
+    step: that optimizer), a bound method's object and function, a partial's function, a plain function's
+    module and qualified name (a lambda made anew by every replica is the same one), else its type."""
+    key = getattr(fn, "_torchstrategies_merge_key", None)
+    if key is not None:
+        return key
+    func = getattr(fn, "__func__", None)
+    if func is not None:
+        return (id(getattr(fn, "__self__", None)), func)
+    if isinstance(fn, functools.partial):
+        return ("partial", merge_key(fn.func))
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is not None:
+        return (getattr(fn, "__module__", None), qualname)
+    return type(fn)
 
 
 def merge_call(replica: _Replica, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -16,12 +16,19 @@ everything at the end of ``run``):
 
 * gradients are SUM (ON_READ): ``p.grad`` becomes the sum of the gradients the replicas have, through the
   strategy's ``CrossDeviceOps`` (its ``AggregationMethod`` kernel); a parameter that no replica gave a
-  gradient keeps ``.grad is None``; replica 0's gradient then is that sum and the others have none, so
-  gradient accumulation across steps (no ``zero_grad``) adds each step's gradient once, as on one device;
-* buffers are ON_READ with MEAN (floating) or ONLY_FIRST_REPLICA (integer, e.g. ``num_batches_tracked``):
-  at the end of ``run`` the primary becomes the aggregate and every component restarts from it at the next
-  run. For the linear updates buffers get (running averages, counters) this equals TF's ON_READ value.
-  (Inside a merge function a buffer reads as replica 0's component);
+  gradient keeps ``.grad is None``; every replica then holds the sum (replica 0 the primary's gradient, the
+  others a copy), and a fold that finds every replica still holding what it was handed sums nothing. A
+  backward in replica k > 0 first drops its copy (``release``), so gradient accumulation across backward
+  passes or steps (no ``zero_grad``) adds each gradient once, as on one device. ``loss.backward()`` inside
+  ``run`` ends in a merge_call (``strategies/mirrored.py``), so after it every ``.grad`` is the sum;
+* buffers are ON_READ with MEAN: at every optimizer step (its merge) and at the end of ``run`` the primary
+  becomes the replicas' mean (floating) and every component restarts from it; integer buffers the replicas
+  wrote differently raise ``ReplicaDivergenceError``. For the linear updates buffers get (running
+  averages, counters) this equals TF's ON_READ value. (Inside another merge function a buffer reads as
+  replica 0's component);
+* writes in replica context: a parameter (or integer buffer) whose version moved while a replica ran is
+  compared across the replicas at the next fold; copies that differ raise ``ReplicaDivergenceError``
+  naming it;
 * parameters are ON_WRITE with aggregation NONE (TF 2.x): a replica's write stays in its component, and a
   cross-replica read gives component 0's value.
 
@@ -40,6 +47,7 @@ from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-def
 
 from torchstrategies._ext import _C
 from torchstrategies.distribute.values import PerReplica
+from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,29 +112,67 @@ class ReplicatedTensors:
 
     def fold(self, end: bool) -> None:
         """Aggregates what the replicas wrote into the primaries (cross-replica view; see the module doc):
-        their gradients before every merge, and at the ``end`` of a run their buffers (and the components
-        0 of parameters whose primary lives elsewhere) too."""
+        their gradients before every merge (a no-op for gradients every replica still holds as handed), the
+        check of what they wrote, and at the ``end`` of a run their buffers (the ON_READ read) and the
+        parameters they wrote."""
         pending = self.views.gradients_to_sum()
         if pending:
             pairs: Pairs = [(PerReplica(tuple(grads)), (p.device,)) for p, grads in pending]
             totals = self._ops.batch_reduce_implementation(ReduceOp.SUM, pairs, None)
             self.views.set_gradients([p for p, _ in pending], totals)
-        if not end:
-            return
+        self.check_writes()
+        if end:
+            self.fold_buffers(parameters=True)
+
+    def check_writes(self) -> None:
+        """Raises if the replicas wrote a parameter (or an integer buffer) in replica context and now hold
+        different values of it; only the tensors whose version moved in replica context are compared."""
+        for t, comps in self.views.written():
+            if len(comps) < 2 or (not isinstance(t, torch.nn.Parameter) and _averaged(t)):
+                continue  # a floating buffer is ON_READ/MEAN: averaged, not compared
+            first = comps[0].detach()
+            for k, c in enumerate(comps[1:], start=1):
+                if not torch.equal(first, c.detach().to(first.device)):
+                    raise ReplicaDivergenceError(_divergence_message(self, t, k))
+
+    def fold_buffers(self, parameters: bool = False) -> None:
+        """Makes every replica's buffers equal: floating ones become the replicas' MEAN, integer ones must
+        agree (else ``ReplicaDivergenceError``); with ``parameters``, the components 0 of parameters whose
+        primary lives elsewhere hand their value to the primary. Marks what changed for the next seed."""
         owned = self.views.owned_components()
+        if not parameters:
+            owned = [(t, comps) for t, comps in owned if not isinstance(t, torch.nn.Parameter)]
         if not owned:
             return
         means = [(t, comps) for t, comps in owned if len(comps) > 1 and _averaged(t)]
         averaged = {}
         if means:
-            pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
+            pairs: Pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
             reduced = self._ops.batch_reduce_implementation(ReduceOp.MEAN, pairs, None)
             averaged = {id(t): v for (t, _), v in zip(means, reduced)}
+        written = []
         with torch.no_grad():
             for t, comps in owned:
-                value = averaged.get(id(t), comps[0])
+                value = averaged.get(id(t))
+                if value is None:
+                    value = comps[0]
+                    for k, c in enumerate(comps[1:], start=1):
+                        if not torch.equal(value, c.to(value.device)):
+                            raise ReplicaDivergenceError(_divergence_message(self, t, k))
                 if value is not t:
-                    t.copy_(value)  # (the next run's seed copies it into every component)
+                    t.copy_(value)  # (the next seed copies it into every component)
+                    written.append(t)
+        self.views.mark(written)
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """``t``'s name in the modules made in the scope ("0.weight", "bn.running_mean"), else its shape."""
+        for m in (r() for r in self._modules):
+            if m is None:
+                continue
+            for name, x in [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]:
+                if x is t:
+                    return f"{type(m).__name__}.{name}"
+        return f"a tensor of shape {tuple(t.shape)}"
 
     def mark_written(self, tensors: list[torch.Tensor]) -> None:
         """Tells the next seed that cross-replica code wrote ``tensors`` (an optimizer step)."""
@@ -138,6 +184,17 @@ class ReplicatedTensors:
 
 
 def _averaged(t: torch.Tensor) -> bool:
-    """ON_READ buffers aggregate by MEAN when floating, else ONLY_FIRST_REPLICA (TF's Keras rule)."""
+    """ON_READ buffers aggregate by MEAN when floating; integer ones must agree across replicas."""
     return t.is_floating_point() or t.is_complex()
+
+
+def _divergence_message(replicated: ReplicatedTensors, t: torch.Tensor, k: int) -> str:
+    kind = "parameter" if isinstance(t, torch.nn.Parameter) else "integer buffer"
+    return (
+        f"The replicas wrote different values to the {kind} {replicated.name_of(t)} inside strategy.run "
+        f"(replica {k} differs from replica 0), so they no longer hold the same model. Write it from values "
+        "that are the same on every replica (gradients after backward() are the cross-replica sum; reduce "
+        "other values with ts.get_replica_context().all_reduce), or write it in a merge_call "
+        "(ts.get_replica_context().merge_call(fn)), which runs once in cross-replica context"
+    )
 

@@ -29,16 +29,17 @@ Undo = Callable[[], None]
 _MISSING = object()
 
 
-def wrap_attribute(cls: type, name: str, make: Callable[[Any], Any]) -> Undo:
-    """Sets ``cls.name = make(cls.name)``; the returned undo puts back exactly what ``cls.__dict__`` held
-    (or deletes the attribute where ``cls`` only inherited it)."""
+def wrap_attribute(cls: object, name: str, make: Callable[[Any], Any]) -> Undo:
+    """Sets ``cls.name = make(cls.name)`` (``cls``: a class or a module); the returned undo puts back exactly
+    what ``cls.__dict__`` held (or deletes the attribute where ``cls`` only inherited it)."""
     own = cls.__dict__.get(name, _MISSING)
     wrapper = make(getattr(cls, name))
     setattr(cls, name, wrapper)
 
     def undo() -> None:
         if cls.__dict__.get(name, _MISSING) is not wrapper:
-            _log.debug("%s.%s was wrapped again by someone else; ours stays, inert", cls.__qualname__, name)
+            owner = getattr(cls, "__qualname__", getattr(cls, "__name__", repr(cls)))
+            _log.debug("%s.%s was wrapped again by someone else; ours stays, inert", owner, name)
             return
         if own is _MISSING:
             delattr(cls, name)

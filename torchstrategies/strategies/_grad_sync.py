@@ -22,6 +22,14 @@ How it works:
   gradients are divided by the world size when the new backward starts, so sum(S/n + g_i) = S + sum(g_i).
   The same holds across steps (gradient accumulation without ``zero_grad()``): ``optimizer.step()`` leaves
   the reduced gradients in place, so the next backward rescales them before adding to them.
+* Sparse gradients (``nn.Embedding(sparse=True)``) do not go in a bucket: each parameter has a second
+  flag, "had a sparse gradient", and after the buckets the sparse ones are summed by ``sparse_sum`` (every
+  rank gathers every rank's indices and values).
+* The set of synchronized parameters follows the model: at the start of each backward, a parameter of the
+  module made trainable since (fine-tuning), or whose dtype, device or shape changed (``model.double()``),
+  rebuilds the buckets.
+* ``proven(p)``: ``p.grad`` is the tensor the last reduction left there (not replaced). The optimizer's
+  step pre-hook (``_step_sync.py``) reduces every other gradient it is about to apply, once.
 * Communication is one DDP-style hook, ``hook(state, bucket) -> torch.futures.Future[Tensor]`` (the shape of
   torch's ``ddp_comm_hooks/default_hooks.py``; ``state`` is the strategy's process group, ``bucket`` a
   :class:`GradBucket`). The default, :func:`allreduce_hook`, starts ``dist.all_reduce(..., async_op=True)``
@@ -47,7 +55,7 @@ import torch.distributed as dist
 
 from torchstrategies.strategies._health import HealthMonitor
 
-__all__ = ["GradBucket", "GradientSynchronizer", "Synchronizers", "Hook", "allreduce_hook", "CompressionHook"]
+__all__ = ["GradBucket", "GradientSynchronizer", "Hook", "allreduce_hook", "CompressionHook", "sparse_sum"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
@@ -141,9 +149,11 @@ class _Bucket:
             off += n
         self.total = off
         # Gradients first, then one flag per parameter.
-        self.flat = torch.zeros(off + len(params), dtype=p0.dtype, device=p0.device)
+        # Gradients first, then one "had a gradient" flag per parameter, then one "had a sparse gradient".
+        self.flat = torch.zeros(off + 2 * len(params), dtype=p0.dtype, device=p0.device)
         self.views = [self.flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, params)]
         self.flags = self.flat[off:]
+        self.sparse_grads: list[torch.Tensor | None] = [None] * len(params)  # what the last reduction left
         self.reset()
 
     @property
@@ -154,6 +164,7 @@ class _Bucket:
     def reset(self) -> None:
         self.ready = [False] * len(self.refs)
         self.had_grad = [False] * len(self.refs)
+        self.had_sparse = [False] * len(self.refs)
         self.pending = len(self.refs)
         self.launched = False
         self.future: torch.futures.Future[torch.Tensor] | None = None
@@ -163,15 +174,18 @@ class GradientSynchronizer:
     """Sums the gradients of ``params`` across workers during backward, through a communication hook.
 
     Args:
-        params: the parameters to synchronize (those without ``requires_grad`` are skipped).
+        params: a module's parameters: those with ``requires_grad`` are synchronized, the others are
+            watched (made trainable later, they join at the next backward).
         group: the strategy's process group (the hook's ``state``).
         bytes_per_pack: bucket size in bytes; 0 puts each dtype/device group in one bucket.
         hook: ``hook(state, bucket) -> Future``; default ``allreduce_hook``.
         health: the strategy's ``HealthMonitor``: counts the collectives, names the rank behind a failure.
+        autograd_hooks: False: no hooks on the parameters; ``reduce_now`` reduces whatever gradients they
+            hold (the optimizer step's reduction of gradients no backward reduced).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, bytes_per_pack: int = 0,
-                 hook: Hook | None = None, health: HealthMonitor | None = None):
+                 hook: Hook | None = None, health: HealthMonitor | None = None, autograd_hooks: bool = True):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {bytes_per_pack!r}")
         self.state = group
@@ -182,22 +196,22 @@ class GradientSynchronizer:
         seen: set[int] = set()
         plist = []
         for p in params:
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
                 plist.append(p)
         # Weak: the parameters own the synchronizer (through their hooks), not the other way round, so a
         # dropped model frees its parameters, and the strategy forgets a synchronizer whose are all gone.
-        self._refs = [weakref.ref(p) for p in plist]
-        self._set_buckets()
+        self._all_refs = [weakref.ref(p) for p in plist]
+        self._all_ids = frozenset(seen)
+        self._autograd_hooks = autograd_hooks
+        self._hooked: set[int] = set()
+        self._hooks: list[Any] = []
         self._next_launch = 0
         self._sync_enabled = True
         self._local_pending = False  # gradients accumulated under no_sync, not yet reduced
         self._callback_queued = False
-        self._hooks: list[Any] = []
-        for p in self.params:
-            self._hooks.append(p.register_hook(self._make_pre_hook()))
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.num_reductions = 0  # buckets reduced so far (tests and benchmarks read it)
+        self._set_buckets()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -206,13 +220,84 @@ class GradientSynchronizer:
 
     @property
     def alive(self) -> bool:
-        return any(r() is not None for r in self._refs)
+        return any(r() is not None for r in self._all_refs)
 
     # --- set-up --------------------------------------------------------------------------------------------
+    def _wanted(self) -> list[torch.nn.Parameter]:
+        every = [p for p in (r() for r in self._all_refs) if p is not None]
+        return every if not self._autograd_hooks else [p for p in every if p.requires_grad]
+
     def _set_buckets(self) -> None:
-        self.buckets = self._make_buckets(list(reversed(self.params)))
+        """(Re)builds the buckets for the parameters wanted now; a gradient that was reduced stays reduced
+        (copied into its new view); hooks go on the parameters that lack them."""
+        old = [(p, p.grad) for p in self.params if p.grad is not None and self.proven(p)] \
+            if hasattr(self, "buckets") else []
+        plist = self._wanted()
+        self._refs = [weakref.ref(p) for p in plist]
+        self.buckets = self._make_buckets(list(reversed(plist)))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._layout = [(p.dtype, p.device, p.shape) for p in plist]
         self._state = _IDLE
+        for p in plist:
+            if self._autograd_hooks and id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_hook(self._make_pre_hook()))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for p, g in old:
+            if id(p) in self._where:
+                self._keep_reduced(p, g)
+        if old:
+            self._state = _REDUCED
+
+    def _layout_changed(self) -> bool:
+        """Whether a watched parameter became (un)trainable or changed dtype, device or shape."""
+        params = self.params
+        return [id(p) for p in self._wanted()] != [id(p) for p in params] or \
+            [(p.dtype, p.device, p.shape) for p in params] != self._layout
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of this synchronizer's (watched) parameters."""
+        return id(param) in self._all_ids
+
+    def synchronizes(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is in a bucket now (trainable, watched)."""
+        return id(param) in self._where
+
+    def proven(self, param: torch.Tensor) -> bool:
+        """Whether ``param.grad`` is what the last reduction left there (so reducing it again would count
+        it twice): the reduced bucket view, or the reduced sparse tensor, not replaced since."""
+        where = self._where.get(id(param))
+        g = param.grad
+        if where is None or g is None or self._state != _REDUCED:
+            return False
+        b, i = where
+        if g.layout != torch.strided:
+            return g is b.sparse_grads[i]
+        view = b.views[i]
+        return g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype
+
+    def _keep_reduced(self, param: torch.Tensor, g: torch.Tensor) -> None:
+        """Makes ``g`` (a reduced gradient) ``param``'s gradient in this synchronizer's bucket."""
+        b, i = self._where[id(param)]
+        if g.layout != torch.strided:
+            param.grad = g
+            b.sparse_grads[i] = g
+            return
+        view = b.views[i]
+        if g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+        param.grad = view
+
+    def take_reduced(self, params: list[torch.nn.Parameter]) -> None:
+        """``params``' gradients were just reduced elsewhere (at the optimizer step): they become this
+        synchronizer's reduced gradients (rebuilding the buckets first if the model changed)."""
+        if self._layout_changed():
+            self._set_buckets()
+        for p in params:
+            if id(p) in self._where and p.grad is not None:
+                self._keep_reduced(p, p.grad)
+        self._state = _REDUCED
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         groups: dict[tuple[Any, Any], list[list[torch.nn.Parameter]]] = {}
@@ -248,6 +333,12 @@ class GradientSynchronizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._hooked.clear()
+
+    def reduce_now(self) -> None:
+        """Reduces the gradients the parameters hold now, as the end of a backward would."""
+        self._begin()
+        self._finish()
 
     # --- public controls -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -259,9 +350,6 @@ class GradientSynchronizer:
         finally:
             self._sync_enabled = prev
 
-    def owns(self, param: torch.Tensor) -> bool:
-        return id(param) in self._where
-
     def before_step(self) -> None:
         """Called before ``optimizer.step()``: reduces what no_sync left pending and waits for everything.
 
@@ -270,8 +358,7 @@ class GradientSynchronizer:
         if self._state == _BACKWARD:
             self._finish()
         elif self._state == _IDLE and self._local_pending and self._sync_enabled:
-            self._state = _BACKWARD
-            self._finish()
+            self.reduce_now()
 
     # --- hooks ---------------------------------------------------------------------------------------------
     def _make_pre_hook(self) -> Any:
@@ -299,7 +386,15 @@ class GradientSynchronizer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:
-            return  # the same parameter used twice in one graph accumulates before this hook; nothing new
+            if bucket.launched:  # a second accumulation after its bucket was sent: it would be lost
+                self._state = _IDLE
+                raise RuntimeError(
+                    f"A gradient of a parameter of shape {tuple(param.shape)} was accumulated twice in one "
+                    "backward, after its bucket was sent to the other workers: a backward inside a backward "
+                    "(torch.utils.checkpoint with use_reentrant=True over a parameter also used outside the "
+                    "checkpoint) is not supported by MultiWorkerMirroredStrategy (nor by DDP); use "
+                    "checkpoint(..., use_reentrant=False)")
+            return  # accumulated in place into its view before the bucket left: nothing new
         self._take_grad(bucket, i, param)
         bucket.ready[i] = True
         bucket.pending -= 1
@@ -307,6 +402,8 @@ class GradientSynchronizer:
 
     # --- the per-iteration state machine -----------------------------------------------------------------
     def _begin(self) -> None:
+        if self._layout_changed():
+            self._set_buckets()
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
@@ -315,7 +412,8 @@ class GradientSynchronizer:
     def _take_grad(self, bucket: _Bucket, i: int, param: torch.Tensor | None) -> None:
         view = bucket.views[i]
         g = None if param is None else param.grad
-        if param is None or g is None:
+        bucket.had_sparse[i] = g is not None and g.layout != torch.strided
+        if param is None or g is None or bucket.had_sparse[i]:
             view.zero_()
             bucket.had_grad[i] = False
             return
@@ -332,7 +430,7 @@ class GradientSynchronizer:
     def _launch(self, b: _Bucket) -> None:
         if self.health is not None:
             self.health.seq += 1
-        b.flags.copy_(torch.tensor(b.had_grad, dtype=b.flags.dtype), non_blocking=True)
+        b.flags.copy_(torch.tensor(b.had_grad + b.had_sparse, dtype=b.flags.dtype), non_blocking=True)
         try:
             b.future = self.hook(self.state, GradBucket(b.index, b.flat, [p for p in b.params if p is not None]))
         except Exception as exc:  # noqa: BLE001 - raised at the end of backward, like an asynchronous error
@@ -352,6 +450,7 @@ class GradientSynchronizer:
                     b.ready[i] = True
             b.pending = 0
         self._launch_ready()
+        sparse: list[tuple[_Bucket, int, torch.nn.Parameter]] = []
         for b in self.buckets:
             assert b.future is not None
             try:
@@ -370,64 +469,48 @@ class GradientSynchronizer:
             if result.data_ptr() != b.flat.data_ptr():
                 b.flat.copy_(result)
             flags = b.flags.tolist()
+            n = len(b.refs)
             for i, p in enumerate(b.params):
                 if p is None:
                     continue
-                if flags[i] > 0.5:
+                if flags[n + i] > 0.5:  # some rank had a sparse gradient
+                    sparse.append((b, i, p))
+                elif flags[i] > 0.5:
                     if p.grad is None or p.grad.data_ptr() != b.views[i].data_ptr():
                         p.grad = b.views[i]
                 else:
                     p.grad = None  # no rank had a gradient for it
             self.num_reductions += 1
+        for b, i, p in sparse:
+            g = p.grad if p.grad is not None and p.grad.layout != torch.strided else None
+            p.grad = b.sparse_grads[i] = sparse_sum(g, p, self.state)
         self._local_pending = False
         self._state = _REDUCED
 
 
-class Synchronizers:
-    """A strategy's gradient synchronizers, in creation order (the order their collectives start in before a
-    step); one whose parameters are all gone is forgotten. :meth:`before_step` is the optimizer pre-hook."""
-
-    def __init__(self) -> None:
-        self._list: list[GradientSynchronizer] = []
-        self._generation = 0  # bumped on every change, so an optimizer's cached lookup is redone
-
-    def add(self, sync: GradientSynchronizer) -> None:
-        self._list = self.live() + [sync]
-        self._generation += 1
-
-    def live(self) -> list[GradientSynchronizer]:
-        live = [s for s in self._list if s.alive]
-        if len(live) != len(self._list):
-            self._list = live
-            self._generation += 1
-        return live
-
-    def for_optimizer(self, optimizer: torch.optim.Optimizer) -> list[GradientSynchronizer]:
-        """The synchronizers that own some of ``optimizer``'s parameters (cached on the optimizer)."""
-        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
-        if cache is not None and cache[0] is self and cache[1] == self._generation:
-            return cache[2]
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        found = [s for s in self.live() if any(id(p) in ids for p in s.params)]
-        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found)  # type: ignore[attr-defined]
-        return found
-
-    def before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        """``register_optimizer_step_pre_hook``: reduce what ``no_sync`` left pending, wait for the rest."""
-        for s in self.for_optimizer(optimizer):
-            s.before_step()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for s in self.live():
-                stack.enter_context(s.no_sync())
-            yield
-
-    def set_hook(self, hook: Hook) -> None:
-        for s in self.live():
-            s.set_hook(hook)
-
-    def close(self) -> None:
-        for s in self.live():
-            s.close()
+def sparse_sum(grad: torch.Tensor | None, param: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group`` of a sparse COO gradient (None: this rank has none): every rank gathers every
+    rank's indices and values and coalesces them, so all ranks get the same tensor."""
+    if grad is None:
+        sparse_dim = 1
+        dense = param.shape[sparse_dim:]
+        grad = torch.sparse_coo_tensor(torch.empty(sparse_dim, 0, dtype=torch.long, device=param.device),
+                                       torch.empty(0, *dense, dtype=param.dtype, device=param.device),
+                                       param.shape)
+    grad = grad.coalesce()
+    indices, values = grad.indices(), grad.values()
+    world = group.size()
+    counts = [torch.zeros(1, dtype=torch.long, device=indices.device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([indices.shape[1]], dtype=torch.long, device=indices.device), group=group)
+    most = int(max(int(c) for c in counts))
+    pad = most - indices.shape[1]
+    idx = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], 1)
+    val = torch.cat([values, values.new_zeros(pad, *values.shape[1:])], 0)
+    all_idx = [torch.empty_like(idx) for _ in range(world)]
+    all_val = [torch.empty_like(val) for _ in range(world)]
+    dist.all_gather(all_idx, idx, group=group)
+    dist.all_gather(all_val, val, group=group)
+    used = [int(c) for c in counts]
+    total = torch.sparse_coo_tensor(torch.cat([x[:, :k] for x, k in zip(all_idx, used)], 1),
+                                    torch.cat([v[:k] for v, k in zip(all_val, used)], 0), grad.shape)
+    return total.coalesce()

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,6 +28,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
+from torchstrategies.distribute import context
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
     destination_devices,
@@ -82,8 +84,20 @@ def _parse_devices(
 
 
 def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    """A global optimizer step pre-hook: inside ``run`` of an in-process strategy with several replicas,
-    an optimizer made outside the scope would step once per replica, each on its own gradient."""
+    """A global optimizer step pre-hook. In replica context of a strategy: an optimizer made in another
+    strategy's scope is an error (as nested scopes of two strategies are); inside ``run`` of an in-process
+    strategy with several replicas, an optimizer made outside any scope would step once per replica."""
+    owner_ref = getattr(opt, "_torchstrategies_owner", None)
+    owner = owner_ref() if owner_ref is not None else None
+    mode = context.current_mode()
+    if owner is not None and not mode.is_default and mode.replica_context is not None and (
+        owner is not mode.strategy.extended
+    ):
+        raise RuntimeError(
+            f"Mixing different tf.distribute.Strategy objects: {type(opt).__name__} was created in the scope "
+            f"of {owner._container_strategy()!r} and is stepped inside {mode.strategy!r}.run. Create the "
+            "model and the optimizer in the scope of the strategy that runs the step"
+        )
     replica = current_replica()
     if replica is None or getattr(opt, "_torchstrategies_seen", False) or len(replica.run.devices) < 2:
         return
@@ -92,6 +106,45 @@ def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], k
         "`with strategy.scope():`; it would step once per replica. Create the model and the optimizer "
         "inside the scope, so that the step sums the replicas' gradients and updates once"
     )
+
+
+def _summed_gradients(strategy: Strategy) -> None:
+    """The merge function of ``loss.backward()`` in an in-process replica: nothing to do; the fold before
+    every merge makes each ``.grad`` the replicas' sum and hands it to every replica."""
+
+
+_summed_gradients._torchstrategies_merge_key = "backward"  # type: ignore[attr-defined]
+
+
+class _Depth(threading.local):
+    depth = 0
+
+
+_nested = _Depth()  # backward calls running in this thread
+
+
+def _synced_backward(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it) as the in-process replicas need it: inside
+    a replica of a strategy with several replicas it is followed by a merge_call, so when it returns every
+    ``.grad`` of a replicated parameter is the cross-replica sum, as DDP and one device give. Before it, a
+    replica k > 0 drops the sum it was handed, so gradient accumulation adds each replica's new gradient
+    once."""
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        replica = current_replica()
+        if replica is None or _nested.depth:  # (a backward inside a backward: reentrant checkpointing)
+            return orig(*args, **kwargs)
+        replica.run.views.release()
+        _nested.depth += 1
+        try:
+            result = orig(*args, **kwargs)
+        finally:
+            _nested.depth -= 1
+        merge_call(replica, _summed_gradients, (), {})
+        return result
+
+    return backward
 
 
 def _once_per_step(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,7 +158,12 @@ def _once_per_step(orig: Callable[..., Any]) -> Callable[..., Any]:
         replica = current_replica()
         if replica is None:
             return orig(self, *args, **kwargs)
-        return merge_call(replica, lambda strategy: orig(self, *args, **kwargs), (), {})
+
+        def once(strategy: Strategy) -> object:
+            return orig(self, *args, **kwargs)
+
+        once._torchstrategies_merge_key = (id(self), orig.__name__)  # type: ignore[attr-defined]
+        return merge_call(replica, once, (), {})
 
     return method
 
@@ -114,6 +172,7 @@ def _once_per_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 # optimizer class made in a scope has its ``step`` wrapped too (``_merged_step``), undone with the set.
 PATCHES = PatchSet("in-process replicas", [
     lambda: register_optimizer_step_pre_hook(_outside_scope_guard).remove,
+    lambda: wrap_attribute(torch.autograd, "backward", _synced_backward),
     *(functools.partial(wrap_attribute, torch.amp.GradScaler, name, _once_per_step)
       for name in ("unscale_", "step", "update")),
     lambda: wrap_attribute(torch.optim.lr_scheduler.LRScheduler, "step", _once_per_step),
@@ -283,12 +342,17 @@ def _merged_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Strategy], object]:
-    """The merge function of ``optimizer.step()``: one update, from the replicas' summed gradients."""
+    """The merge function of ``optimizer.step()``: the replicas' buffers made equal (the one point per step
+    where buffers are synchronized, docs/strategies.md), then one update from the summed gradients."""
 
     def update(strategy: Strategy) -> object:
+        replicated = getattr(optimizer, "_torchstrategies_replicated", None)
+        if replicated is not None:
+            replicated.fold_buffers()
         return optimizer.step()  # (in cross-replica context: the update, and the mark for the seed)
 
     update.__qualname__ = f"{type(optimizer).__name__}.step"
+    update._torchstrategies_merge_key = id(optimizer)  # type: ignore[attr-defined]
     return update
 
 

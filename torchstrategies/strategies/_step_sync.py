@@ -1,0 +1,149 @@
+"""What MultiWorkerMirroredStrategy does at ``optimizer.step()``: the optimizer applies the cross-worker sum
+of every gradient it is about to apply, however it was made, and never sums one twice.
+
+A gradient a synchronized backward reduced is *proven* (``GradientSynchronizer.proven``: ``p.grad`` is still
+the reduced bucket view, in-place changes such as clipping allowed) and costs nothing here. Every other
+gradient of the optimizer's parameters is reduced at the step, in the optimizer's parameter order, through
+the same bucket machinery (flags for missing gradients, sparse gradients gathered): a gradient assigned to
+``p.grad`` (DP-SGD, ``torch.func``), one of a parameter made trainable after the scope, one whose parameter
+changed dtype or device. Afterwards it is its synchronizer's reduced gradient (so a later backward adds to
+it once, and the next step does not reduce it again). A parameter no synchronizer watches (added to the
+optimizer later) gets a synchronizer of its own here, so its next backward is synchronized.
+
+Which gradients are reduced here must be the same on every rank: the same code on every rank does that
+(assigning a gradient on some ranks only leaves the others waiting, and the collective's timeout names it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from torchstrategies.errors import ReplicaDivergenceError
+from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies._grad_sync import GradientSynchronizer, Hook
+
+__all__ = ["Synchronizers", "average_buffers"]
+
+
+class Synchronizers:
+    """A strategy's gradient synchronizers, in creation order (the order their collectives start in before a
+    step); one whose parameters are all gone is forgotten. :meth:`before_step` is the optimizer pre-hook.
+
+    Args:
+        make: ``make(params, autograd_hooks)`` -> a ``GradientSynchronizer`` on the strategy's group.
+    """
+
+    def __init__(self, make: Callable[[list[torch.nn.Parameter], bool], GradientSynchronizer]) -> None:
+        self._make = make
+        self._list: list[GradientSynchronizer] = []
+        self._generation = 0  # bumped on every change, so an optimizer's cached lookup is redone
+
+    def add(self, sync: GradientSynchronizer) -> None:
+        self._list = self.live() + [sync]
+        self._generation += 1
+
+    def live(self) -> list[GradientSynchronizer]:
+        live = [s for s in self._list if s.alive]
+        if len(live) != len(self._list):
+            self._list = live
+            self._generation += 1
+        return live
+
+    def for_optimizer(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[GradientSynchronizer], list[tuple[torch.nn.Parameter, GradientSynchronizer | None]]]:
+        """The synchronizers that watch some of ``optimizer``'s parameters, and each parameter with its
+        synchronizer (None: none watches it); cached on the optimizer until either changes."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
+        if (cache is not None and cache[0] is self and cache[1] == self._generation
+                and len(cache[3]) == len(params) and all(a is b for (a, _), b in zip(cache[3], params))):
+            return cache[2], cache[3]
+        live = self.live()
+        owners = []
+        seen: set[int] = set()
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                owners.append((p, next((s for s in live if s.owns(p)), None)))
+        found = [s for s in live if any(o is s for _, o in owners)]
+        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found, owners)  # type: ignore[attr-defined]
+        return found, owners
+
+    def watches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether some parameter of ``optimizer`` belongs to this strategy."""
+        return bool(self.for_optimizer(optimizer)[0])
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Finishes the reductions in flight (and what ``no_sync`` left pending), then reduces every gradient
+        the step would apply that no backward reduced (see the module docstring)."""
+        syncs, owners = self.for_optimizer(optimizer)
+        for s in syncs:
+            s.before_step()
+        unproven = [(p, o) for p, o in owners if _needs_reduction(p, o)]
+        if not unproven:
+            return
+        params = [p for p, _ in unproven]
+        self._make(params, False).reduce_now()  # the optimizer's order: the same on every rank
+        for s in syncs:
+            s.take_reduced([p for p, o in unproven if o is s])
+        strays = [p for p, o in unproven if o is None]
+        if strays:
+            sync = self._make(strays, True)
+            sync.take_reduced(strays)
+            self.add(sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for s in self.live():
+                stack.enter_context(s.no_sync())
+            yield
+
+    def set_hook(self, hook: Hook) -> None:
+        for s in self.live():
+            s.set_hook(hook)
+
+    def close(self) -> None:
+        for s in self.live():
+            s.close()
+
+
+def _needs_reduction(p: torch.nn.Parameter, owner: GradientSynchronizer | None) -> bool:
+    if owner is None or not owner.synchronizes(p):  # (trainable or not: the same on every rank)
+        return p.requires_grad or p.grad is not None
+    return p.grad is not None and not owner.proven(p)
+
+
+def average_buffers(named: list[tuple[str, torch.Tensor]],
+                    all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int) -> None:
+    """Floating buffers become their MEAN over the ranks; integer ones must be equal on every rank.
+
+    Raises:
+        ReplicaDivergenceError: an integer buffer differs between ranks (named).
+    """
+    floats = [b for _, b in named if b.is_floating_point() or b.is_complex()]
+    if floats:
+        means = all_reduce(ReduceOp.MEAN, floats)
+        with torch.no_grad():
+            for b, v in zip(floats, means):
+                b.copy_(v)
+    ints = [(n, b) for n, b in named if not (b.is_floating_point() or b.is_complex())]
+    if ints:
+        flat = torch.cat([b.reshape(-1).to(torch.int64) for _, b in ints])
+        (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])
+        if not (torch.equal(most[:flat.numel()], flat) and torch.equal(-most[flat.numel():], flat)):
+            off = 0
+            for name, b in ints:
+                k = b.numel()
+                if not (torch.equal(most[off:off + k], flat[off:off + k])
+                        and torch.equal(-most[flat.numel() + off:flat.numel() + off + k], flat[off:off + k])):
+                    raise ReplicaDivergenceError(
+                        f"The integer buffer {name} differs between the ranks at optimizer.step() (rank "
+                        f"{rank} holds {b.tolist() if k <= 8 else 'a different value'}): every replica "
+                        "must write the same value to it. Write it from values that are the same on every "
+                        "rank (all-reduced), or make it a floating buffer (averaged across the ranks)")
+                off += k
