@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+import torchstrategies as ts
 from tests._conformance import B, Runner
 
 LR = 0.1
@@ -30,12 +31,14 @@ def _mlp() -> torch.nn.Module:
 
 
 class _RunningBaseline(torch.nn.Module):
-    """A REINFORCE-style running baseline: a floating buffer written in forward and used in the loss."""
+    """A REINFORCE-style running baseline: a floating buffer written in forward and used in the loss, declared
+    MEAN (the replicas' copies are averaged, as one device's running average of the global batch)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 2)).double()
         self.register_buffer("baseline", torch.zeros(2, dtype=torch.float64))
+        ts.declare_buffer_aggregation(self, "baseline", "mean")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = self.net(x) - (y - self.baseline)

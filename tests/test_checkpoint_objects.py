@@ -77,6 +77,7 @@ def test_what_a_checkpoint_cannot_save_is_a_type_error_naming_it_and_what_it_tak
 
 
 def _buffer_rule_body(rank, world, directory):
+    import torchstrategies as ts
     from torchstrategies.checkpoint import Checkpoint
     from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
@@ -86,6 +87,8 @@ def _buffer_rule_body(rank, world, directory):
         model.register_buffer("same", torch.randn(1000, generator=torch.Generator().manual_seed(3)))
         model.register_buffer("differ", torch.full((4,), float(rank)))
         model.register_buffer("count", torch.tensor(7))
+        model.register_buffer("queue", torch.zeros(4))
+    ts.declare_buffer_aggregation(model, "differ", "mean")   # a running statistic: its copies are averaged
     model.differ.fill_(float(rank))  # (the scope broadcast rank 0's)
     (mean_of_same,) = s.extended.all_reduce_tensors("mean", [model.same])
     torch.manual_seed(10 + rank)
@@ -100,17 +103,20 @@ def _buffer_rule_body(rank, world, directory):
     torch.manual_seed(1234)
     Checkpoint(model=model).restore(path)
     restored_draw = torch.rand(3)
-    model.count.fill_(rank)
-    try:
-        Checkpoint(model=model).save(os.path.join(directory, "bad.pt"))
-        error = None
-    except ValueError as exc:
-        error = str(exc)
+    errors = []
+    for name in ("queue", "count"):   # a floating buffer not declared MEAN, an integer one: must agree
+        getattr(model, name).fill_(rank)
+        try:
+            Checkpoint(model=model).save(os.path.join(directory, "bad.pt"))
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+        getattr(model, name).fill_(0)
     s.shutdown()
     return {"same_ok": torch.equal(saved["same"], model.same),
             "mean_rounds": not torch.equal(mean_of_same, model.same),
             "differ": saved["differ"].tolist(), "own_rng": torch.equal(mine, restored_draw), "untouched": untouched,
-            "error": error}
+            "errors": errors}
 
 
 @pytest.mark.timeout(120)
@@ -119,10 +125,12 @@ def test_saved_buffers_follow_the_buffer_rule_and_each_rank_gets_its_own_random_
     for r in results:
         assert r["mean_rounds"]  # the test's point: a mean of 3 equal float32 values is not always the value
         assert r["same_ok"]  # buffers equal on every rank are saved bit for bit
-        assert r["differ"] == [1.0] * 4  # differing floating buffers: their cross-rank mean (0 + 1 + 2) / 3
+        assert r["differ"] == [1.0] * 4  # a differing buffer declared MEAN: its cross-rank mean (0 + 1 + 2) / 3
         assert r["own_rng"]  # rank r's random state went back to rank r
         assert r["untouched"]  # save_random_state=False leaves it alone
-        assert r["error"] is not None and "integer buffer model.count differs between ranks" in r["error"]
+        queue, count = r["errors"]
+        assert queue is not None and "buffer model.queue differs between ranks" in queue, queue
+        assert count is not None and "buffer model.count differs between ranks" in count, count
 
 
 def _dcp_body(rank, world, directory):

@@ -142,6 +142,48 @@ def test_an_integer_buffer_the_replicas_wrote_differently_is_a_named_error(strat
 
 
 @pytest.mark.parametrize("strategy_name", REPLICATED)
+def test_a_queue_each_replica_enqueues_its_own_keys_into_is_a_named_error(strategy_name):
+    # MoCo's key queue: one device enqueues the global batch's keys; replicas each enqueue their own at the
+    # same place, and no average of them is what one device holds.
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model = G._mlp()
+        model.register_buffer("queue", torch.zeros(8, 2, dtype=torch.float64))
+        opt = torch.optim.SGD(model.parameters(), lr=G.LR)
+
+    def step(x, y):
+        opt.zero_grad()
+        with torch.no_grad():
+            model.queue[: x.shape[0]] = model(x)  # this replica's keys
+        C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+        opt.step()
+
+    with pytest.raises(ts.errors.ReplicaDivergenceError,
+                       match=r"buffer Sequential\.queue.*declare_buffer_aggregation"):
+        _run_steps(strategy, model, step)
+
+
+def test_a_buffer_aggregation_is_declared_by_name_and_checked():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    model.register_buffer("queue", torch.zeros(3))
+    model.register_buffer("count", torch.zeros((), dtype=torch.long))
+    from torchstrategies.distribute.buffers import is_mean_buffer
+
+    assert is_mean_buffer(model[1], "running_mean") and is_mean_buffer(model[1], "running_var")
+    assert not is_mean_buffer(model[1], "num_batches_tracked") and not is_mean_buffer(model, "queue")
+    ts.declare_buffer_aggregation(model, "queue", "mean")
+    ts.declare_buffer_aggregation(model[1], "running_var", ts.VariableAggregation.NONE)
+    assert is_mean_buffer(model, "queue") and not is_mean_buffer(model[1], "running_var")
+    assert is_mean_buffer(model.double(), "queue")   # kept by name: .double() replaces the tensors
+    with pytest.raises(ValueError, match="has no buffer 'nope'"):
+        ts.declare_buffer_aggregation(model, "nope")
+    with pytest.raises(ValueError, match="only a floating buffer can be averaged"):
+        ts.declare_buffer_aggregation(model, "count", "mean")
+    with pytest.raises(ValueError, match="MEAN or NONE"):
+        ts.declare_buffer_aggregation(model, "queue", "sum")
+
+
+@pytest.mark.parametrize("strategy_name", REPLICATED)
 def test_replicas_stepping_different_optimizers_is_a_merge_call_mismatch(strategy_name):
     strategy = STRATEGIES[strategy_name]()
     with strategy.scope():
@@ -220,6 +262,39 @@ def _mwms_integer_buffer(rank: int, world: int) -> str:
 def test_multi_worker_integer_buffer_that_ranks_wrote_differently_is_a_named_error():
     for message in run_ranks(_mwms_integer_buffer, 2, timeout=90):
         assert "Linear.seen" in message, message
+
+
+def _mwms_queue(rank: int, world: int) -> dict[str, str]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    out = {}
+    try:
+        with strategy.scope():
+            model = torch.nn.Linear(2, 1).double()
+            model.register_buffer("queue", torch.zeros(4, dtype=torch.float64))   # undeclared
+            model.register_buffer("baseline", torch.zeros(1, dtype=torch.float64))
+            ts.declare_buffer_aggregation(model, "baseline", "mean")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for name in ("baseline", "queue"):
+            getattr(model, name).fill_(float(rank))   # each rank its own value
+            model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+            try:
+                opt.step()
+                out[name] = f"no error, {getattr(model, name).tolist()}"
+            except ts.errors.ReplicaDivergenceError as e:
+                out[name] = str(e)
+        return out
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_multi_worker_buffer_declared_mean_is_averaged_and_an_undeclared_one_that_differs_is_named():
+    for out in run_ranks(_mwms_queue, 2, timeout=90):
+        assert out["baseline"] == "no error, [0.5]", out    # (0 + 1) / 2 on every rank
+        assert "buffer Linear.queue differs between the ranks" in out["queue"], out
+        assert "declare_buffer_aggregation" in out["queue"], out
 
 
 # --- MultiWorkerMirrored's divergence check --------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from torchstrategies.distribute.buffers import is_mean_buffer
+
 __all__ = ["RandomState", "job_module_state", "gather_per_rank", "to_bytes", "from_bytes", "kind_of", "per_rank_state",
            "restore_per_rank", "read_variable", "restore_variable"]
 
@@ -128,12 +130,13 @@ def gather_per_rank(ext: Collective | None, blob: bytes) -> list[bytes]:
 def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` as the job holds it under the buffer rule, identical on every rank.
 
-    Every buffer is compared across ranks in one MAX all-reduce of ``(b, -b)``: an integer buffer that
-    differs raises; a floating one that differs is replaced by its cross-rank mean (a second all-reduce,
-    only then). Buffers already equal on every rank are saved as they are, bit for bit.
+    Every buffer is compared across ranks in one MAX all-reduce of ``(b, -b)``: a buffer declared MEAN
+    (``distribute/buffers.py``: norm layers' running statistics, ``ts.declare_buffer_aggregation``) that
+    differs is replaced by its cross-rank mean (a second all-reduce, only then); any other buffer that
+    differs raises. Buffers already equal on every rank are saved as they are, bit for bit.
 
     Raises:
-        ValueError: an integer buffer (e.g. ``num_batches_tracked``) differs between ranks, naming it.
+        ValueError: a buffer not declared MEAN (e.g. ``num_batches_tracked``) differs between ranks, naming it.
     """
     sd = module.state_dict()
     if ext is None:
@@ -147,10 +150,12 @@ def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module)
     for k, m in zip(keys, maxima):
         if torch.equal(m[0], -m[1]):  # max == min: every rank holds the same value
             continue
-        if not (sd[k].is_floating_point() or sd[k].is_complex()):
+        owner, _, local = k.rpartition(".")
+        if not is_mean_buffer(module.get_submodule(owner), local):
             raise ValueError(
-                f"Checkpoint: integer buffer {name}.{k} differs between ranks (max {m[0].flatten()[:4].tolist()}, "
-                f"min {(-m[1]).flatten()[:4].tolist()}): integer buffers must agree on every replica")
+                f"Checkpoint: buffer {name}.{k} differs between ranks (max {m[0].flatten()[:4].tolist()}, "
+                f"min {(-m[1]).flatten()[:4].tolist()}): a buffer not declared MEAN (ts.declare_buffer_aggregation) "
+                "must agree on every replica")
         differ.append(k)
     if differ:
         means = ext.all_reduce_tensors("mean", [sd[k].detach() for k in differ])

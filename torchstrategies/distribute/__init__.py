@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchstrategies.distribute.buffers import declare_buffer_aggregation
 from torchstrategies.distribute.context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -36,6 +37,7 @@ __all__ = [
     "NcclAllReduce",
     "ReductionToOneDevice",
     "compute_average_loss",
+    "declare_buffer_aggregation",
     "scale_regularization_loss",
     "DistributedValues",
     "Mirrored",

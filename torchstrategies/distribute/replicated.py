@@ -21,14 +21,15 @@ everything at the end of ``run``):
   backward in replica k > 0 first drops its copy (``release``), so gradient accumulation across backward
   passes or steps (no ``zero_grad``) adds each gradient once, as on one device. ``loss.backward()`` inside
   ``run`` ends in a merge_call (``strategies/mirrored.py``), so after it every ``.grad`` is the sum;
-* buffers are ON_READ with MEAN: at every optimizer step (its merge) and at the end of ``run`` the primary
-  becomes the replicas' mean (floating) and every component restarts from it; integer buffers the replicas
-  wrote differently raise ``ReplicaDivergenceError``. For the linear updates buffers get (running
-  averages, counters) this equals TF's ON_READ value. (Inside another merge function a buffer reads as
-  replica 0's component);
-* writes in replica context: a parameter (or integer buffer) whose version moved while a replica ran is
-  compared across the replicas at the next fold; copies that differ raise ``ReplicaDivergenceError``
-  naming it;
+* buffers declared MEAN (``distribute/buffers.py``: the running statistics of torch's normalization
+  layers, and what ``ts.declare_buffer_aggregation`` declares) are ON_READ with MEAN: at every optimizer
+  step (its merge) and at the end of ``run`` the primary becomes the replicas' mean and every component
+  restarts from it. For the linear updates such buffers get (running averages) this equals TF's ON_READ
+  value. (Inside another merge function a buffer reads as replica 0's component.) Every other buffer
+  follows the parameters: the replicas must write the same value to it;
+* writes in replica context: a parameter or a buffer not declared MEAN whose version moved while a replica
+  ran is compared across the replicas at the next fold; copies that differ raise
+  ``ReplicaDivergenceError`` naming it;
 * parameters are ON_WRITE with aggregation NONE (TF 2.x): a replica's write stays in its component, and a
   cross-replica read gives component 0's value.
 
@@ -46,6 +47,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from torchstrategies._ext import _C
+from torchstrategies.distribute.buffers import mean_buffer_ids
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
@@ -69,6 +71,7 @@ class ReplicatedTensors:
         self._ops = cross_device_ops
         self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._mean_ids: set[int] = set()   # the buffers declared MEAN, as of the last refresh
 
     def add_module(self, module: torch.nn.Module) -> None:
         self._modules.append(weakref.ref(module))
@@ -108,6 +111,7 @@ class ReplicatedTensors:
         for opt in optimizers:
             for group in opt.param_groups:
                 params.extend(group["params"])
+        self._mean_ids = mean_buffer_ids(modules)
         self.views.refresh(params, buffers)
 
     def fold(self, end: bool) -> None:
@@ -125,18 +129,19 @@ class ReplicatedTensors:
             self.fold_buffers(parameters=True)
 
     def check_writes(self) -> None:
-        """Raises if the replicas wrote a parameter (or an integer buffer) in replica context and now hold
-        different values of it; only the tensors whose version moved in replica context are compared."""
+        """Raises if the replicas wrote a parameter (or a buffer not declared MEAN) in replica context and
+        now hold different values of it; only the tensors whose version moved in replica context are
+        compared."""
         for t, comps in self.views.written():
-            if len(comps) < 2 or (not isinstance(t, torch.nn.Parameter) and _averaged(t)):
-                continue  # a floating buffer is ON_READ/MEAN: averaged, not compared
+            if len(comps) < 2 or self._averaged(t):
+                continue  # a buffer declared MEAN is ON_READ: averaged, not compared
             first = comps[0].detach()
             for k, c in enumerate(comps[1:], start=1):
                 if not torch.equal(first, c.detach().to(first.device)):
                     raise ReplicaDivergenceError(_divergence_message(self, t, k))
 
     def fold_buffers(self, parameters: bool = False) -> None:
-        """Makes every replica's buffers equal: floating ones become the replicas' MEAN, integer ones must
+        """Makes every replica's buffers equal: those declared MEAN become the replicas' mean, the others must
         agree (else ``ReplicaDivergenceError``); with ``parameters``, the components 0 of parameters whose
         primary lives elsewhere hand their value to the primary. Marks what changed for the next seed."""
         owned = self.views.owned_components()
@@ -144,7 +149,7 @@ class ReplicatedTensors:
             owned = [(t, comps) for t, comps in owned if not isinstance(t, torch.nn.Parameter)]
         if not owned:
             return
-        means = [(t, comps) for t, comps in owned if len(comps) > 1 and _averaged(t)]
+        means = [(t, comps) for t, comps in owned if len(comps) > 1 and self._averaged(t)]
         averaged = {}
         if means:
             pairs: Pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
@@ -163,6 +168,10 @@ class ReplicatedTensors:
                     t.copy_(value)  # (the next seed copies it into every component)
                     written.append(t)
         self.views.mark(written)
+
+    def _averaged(self, t: torch.Tensor) -> bool:
+        """A buffer declared MEAN (never a parameter: parameters are ON_WRITE)."""
+        return not isinstance(t, torch.nn.Parameter) and id(t) in self._mean_ids
 
     def name_of(self, t: torch.Tensor) -> str:
         """``t``'s name in the modules made in the scope ("0.weight", "bn.running_mean"), else its shape."""
@@ -183,18 +192,20 @@ class ReplicatedTensors:
         return list(self.views.components(t))
 
 
-def _averaged(t: torch.Tensor) -> bool:
-    """ON_READ buffers aggregate by MEAN when floating; integer ones must agree across replicas."""
-    return t.is_floating_point() or t.is_complex()
-
-
 def _divergence_message(replicated: ReplicatedTensors, t: torch.Tensor, k: int) -> str:
-    kind = "parameter" if isinstance(t, torch.nn.Parameter) else "integer buffer"
+    if isinstance(t, torch.nn.Parameter):
+        kind, declare = "parameter", ""
+    elif t.is_floating_point() or t.is_complex():
+        kind = "buffer"
+        declare = (", or, if the replicas' copies should be averaged (a running statistic), declare it: "
+                   "ts.declare_buffer_aggregation(module, name, 'mean')")
+    else:
+        kind, declare = "integer buffer", ""
     return (
         f"The replicas wrote different values to the {kind} {replicated.name_of(t)} inside strategy.run "
         f"(replica {k} differs from replica 0), so they no longer hold the same model. Write it from values "
         "that are the same on every replica (gradients after backward() are the cross-replica sum; reduce "
-        "other values with ts.get_replica_context().all_reduce), or write it in a merge_call "
-        "(ts.get_replica_context().merge_call(fn)), which runs once in cross-replica context"
+        "or gather other values with ts.get_replica_context().all_reduce / all_gather), or write it in a "
+        f"merge_call (ts.get_replica_context().merge_call(fn)), which runs once in cross-replica context{declare}"
     )
 

@@ -118,32 +118,48 @@ def _needs_reduction(p: torch.nn.Parameter, owner: GradientSynchronizer | None) 
     return p.grad is not None and not owner.proven(p)
 
 
-def average_buffers(named: list[tuple[str, torch.Tensor]],
+def average_buffers(named: list[tuple[str, torch.Tensor]], mean_ids: set[int],
                     all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int) -> None:
-    """Floating buffers become their MEAN over the ranks; integer ones must be equal on every rank.
+    """Buffers declared MEAN (``id`` in ``mean_ids``, ``distribute/buffers.py``) become their mean over the
+    ranks; every other buffer must be bit for bit equal on every rank.
 
     Raises:
-        ReplicaDivergenceError: an integer buffer differs between ranks (named).
+        ReplicaDivergenceError: a buffer not declared MEAN differs between ranks (named).
     """
-    floats = [b for _, b in named if b.is_floating_point() or b.is_complex()]
-    if floats:
-        means = all_reduce(ReduceOp.MEAN, floats)
+    means = [b for _, b in named if id(b) in mean_ids]
+    if means:
+        reduced = all_reduce(ReduceOp.MEAN, means)
         with torch.no_grad():
-            for b, v in zip(floats, means):
+            for b, v in zip(means, reduced):
                 b.copy_(v)
-    ints = [(n, b) for n, b in named if not (b.is_floating_point() or b.is_complex())]
-    if ints:
-        flat = torch.cat([b.reshape(-1).to(torch.int64) for _, b in ints])
-        (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])
-        if not (torch.equal(most[:flat.numel()], flat) and torch.equal(-most[flat.numel():], flat)):
-            off = 0
-            for name, b in ints:
-                k = b.numel()
-                if not (torch.equal(most[off:off + k], flat[off:off + k])
-                        and torch.equal(-most[flat.numel() + off:flat.numel() + off + k], flat[off:off + k])):
-                    raise ReplicaDivergenceError(
-                        f"The integer buffer {name} differs between the ranks at optimizer.step() (rank "
-                        f"{rank} holds {b.tolist() if k <= 8 else 'a different value'}): every replica "
-                        "must write the same value to it. Write it from values that are the same on every "
-                        "rank (all-reduced), or make it a floating buffer (averaged across the ranks)")
-                off += k
+    others = [(n, b) for n, b in named if id(b) not in mean_ids]
+    if not others:
+        return
+    bits = [_bits(b) for _, b in others]
+    flat = torch.cat(bits)
+    (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])   # equal everywhere iff max == min
+    n = flat.numel()
+    off = 0
+    for (name, b), x in zip(others, bits):
+        k = x.numel()
+        if not (torch.equal(most[off:off + k], x) and torch.equal(-most[n + off:n + off + k], x)):
+            kind = "integer buffer" if not (b.is_floating_point() or b.is_complex()) else "buffer"
+            declare = "" if kind == "integer buffer" else (
+                ", or, if the ranks' copies should be averaged (a running statistic), declare it: "
+                "ts.declare_buffer_aggregation(module, name, 'mean')")
+            raise ReplicaDivergenceError(
+                f"The {kind} {name} differs between the ranks at optimizer.step() (rank {rank} holds "
+                f"{b.tolist() if b.numel() <= 8 else 'a different value'}): every replica must write the same "
+                "value to it. Write it from values that are the same on every rank (all-reduced or "
+                f"all-gathered){declare}")
+        off += k
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """``b``'s values as int64 that are equal exactly when the values are bit for bit (NaN included)."""
+    x = b.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    if x.is_floating_point():
+        return x.to(torch.float64).view(torch.int64)
+    return x.to(torch.int64)

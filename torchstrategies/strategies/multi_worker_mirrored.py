@@ -51,6 +51,7 @@ from torchstrategies.cluster_resolver import (
 )
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.collectives import debug as collective_debug
+from torchstrategies.distribute.buffers import mean_buffer_ids
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
@@ -400,13 +401,16 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self.divergence_check.check(self.named_parameters(), when)
 
     def sync_buffers(self) -> None:
-        """Floating buffers of the modules made in the scope become their cross-worker MEAN; integer
-        buffers must be equal on every rank. Every worker calls it (at each ``optimizer.step()``).
+        """The buffers of the modules made in the scope that are declared MEAN (``distribute/buffers.py``:
+        norm layers' running statistics, ``ts.declare_buffer_aggregation``) become their cross-worker mean;
+        every other buffer must be equal on every rank. Every worker calls it (at each ``optimizer.step()``).
 
         Raises:
-            ReplicaDivergenceError: an integer buffer (e.g. ``num_batches_tracked``) differs between ranks.
+            ReplicaDivergenceError: a buffer not declared MEAN (e.g. ``num_batches_tracked``, a queue)
+                differs between ranks.
         """
-        average_buffers(self._named(buffers=True), self.all_reduce_tensors, self._rank)
+        modules = [m for m in (r() for r in self._modules) if m is not None]
+        average_buffers(self._named(buffers=True), mean_buffer_ids(modules), self.all_reduce_tensors, self._rank)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
