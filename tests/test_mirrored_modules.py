@@ -200,11 +200,13 @@ def test_tied_weights_stay_one_parameter_and_lazy_modules_are_left_alone():
 
 
 class _LastMean(torch.nn.Module):
-    """A floating buffer written in forward: the mean of the last batch (BatchNorm with momentum 1)."""
+    """A floating buffer written in forward: the mean of the last batch (BatchNorm with momentum 1), declared
+    MEAN as BatchNorm's statistics are."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("running_mean", torch.zeros(1))
+        ts.declare_buffer_aggregation(self, "running_mean", "mean")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
