@@ -20,7 +20,7 @@ $(DEPS_STAMP): $(PY) Makefile
 	$(PY) -m pip install -q "$(TORCH)" pybind11 ninja "setuptools>=77" wheel packaging numpy \
 		pytest pytest-timeout scikit-learn matplotlib rich click tqdm \
 		cloudpickle psutil "grpcio>=1.60" "grpcio-health-checking>=1.60" "protobuf>=4.21" \
-		ruff mypy
+		ruff mypy "keras>=3.15"
 	touch $@
 
 $(INSTALL_STAMP): $(DEPS_STAMP) pyproject.toml setup.py

@@ -1,0 +1,92 @@
+"""Keras 3 (torch backend) workloads for tests/test_keras.py: one process without a strategy is the
+reference; the same function runs in each MultiWorkerMirrored rank (``tests.harness.run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+ROWS, FEATURES, GLOBAL_BATCH, EPOCHS = 37, 5, 8, 3  # 37 rows: a final batch of 5 splits 3 + 2
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1).astype("float32")
+    return x, y
+
+
+def build(kind: str) -> Any:
+    """A small MLP (``mlp``) or one with BatchNormalization and Dropout (``bn``), with a layer that counts
+    the rows each training forward pass sees (``model.rows_seen``)."""
+    import keras
+
+    class RowCounter(keras.layers.Layer):
+        seen = 0
+
+        def call(self, x, training=False):
+            if training:
+                RowCounter.seen += int(x.shape[0])
+            return x
+
+    keras.utils.set_random_seed(1)
+    layers = [keras.layers.Input((FEATURES,)), RowCounter(), keras.layers.Dense(8, activation="relu")]
+    if kind == "bn":
+        layers += [keras.layers.BatchNormalization(), keras.layers.Dropout(0.0)]
+    layers += [keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    RowCounter.seen = 0
+    model.row_counter = RowCounter
+    return model
+
+
+def train(model: Any, jit_compile: bool = False) -> dict[str, Any]:
+    """Compiles and fits ``model`` (made in or out of a scope) on the global batches; returns what the tests
+    compare."""
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"],
+                  jit_compile=jit_compile)
+    x, y = data()
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    rows = model.row_counter.seen
+    evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+    prediction = model.predict(x[:6], batch_size=4, verbose=0)
+    return {"weights": [np.array(w) for w in model.get_weights()], "history": history.history,
+            "evaluate": evaluation, "predict": prediction, "rows": rows}
+
+
+def plain(kind: str) -> dict[str, Any]:
+    return train(build(kind))
+
+
+def mwms_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = build(kind)
+        return train(model)
+    finally:
+        strategy.shutdown()
+
+
+def mwms_jit(rank: int, world: int) -> str:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = build("mlp")
+        try:
+            train(model, jit_compile=True)
+        except NotImplementedError as e:
+            return str(e)
+        return "trained"
+    finally:
+        strategy.shutdown()

@@ -1,0 +1,101 @@
+"""Issue 37: Keras 3 (torch backend) ``fit`` / ``evaluate`` / ``predict`` under the strategies, as under
+tf.distribute. ``batch_size`` is global, every worker passes the same arrays, the strategy splits each
+global batch; weights, ``history`` and ``evaluate()`` equal one process on the same global batches
+(float32, 1e-5). Workloads: tests/_keras_bodies.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+keras = pytest.importorskip("keras", reason="keras is not installed (pip install torchstrategies[keras])")
+if keras.backend.backend() != "torch":
+    pytest.skip(f"keras runs on the {keras.backend.backend()!r} backend, not torch", allow_module_level=True)
+
+import torchstrategies as ts  # noqa: E402
+from tests import _keras_bodies as K  # noqa: E402
+
+TOL = 1e-5
+_reference: dict[str, dict] = {}
+
+
+def reference(kind: str) -> dict:
+    if kind not in _reference:
+        _reference[kind] = K.plain(kind)
+    return _reference[kind]
+
+
+def assert_same(got: dict, want: dict, exact: bool = False) -> None:
+    tol = 0.0 if exact else TOL
+    assert len(got["weights"]) == len(want["weights"])
+    for i, (g, w) in enumerate(zip(got["weights"], want["weights"])):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"weight {i}")
+    assert got["history"].keys() == want["history"].keys()
+    for key in want["history"]:
+        np.testing.assert_allclose(got["history"][key], want["history"][key], rtol=tol, atol=tol, err_msg=key)
+    assert got["evaluate"].keys() == want["evaluate"].keys()
+    for key in want["evaluate"]:
+        np.testing.assert_allclose(got["evaluate"][key], want["evaluate"][key], rtol=tol, atol=tol, err_msg=key)
+    np.testing.assert_allclose(got["predict"], want["predict"], rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(240)
+def test_multi_worker_fit_equals_one_process_on_the_global_batches():
+    want = reference("mlp")
+    ranks = run_ranks(K.mwms_rank, 2, args=("mlp",), timeout=200)
+    for got in ranks:
+        assert_same(got, want)
+    # every worker ran its share of every global batch: 37 rows in batches of 8 (last 5 -> 3 + 2)
+    per_epoch = [4 * 4 + 3, 4 * 4 + 2]
+    assert [r["rows"] for r in ranks] == [K.EPOCHS * n for n in per_epoch]
+    assert sum(r["rows"] for r in ranks) == want["rows"] == K.EPOCHS * K.ROWS
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        np.testing.assert_array_equal(a, b)  # mirrored: bit-equal on every rank
+
+
+@pytest.mark.parametrize("rows,workers", [(8, 2), (5, 2), (7, 3), (2, 2)])
+def test_a_global_batch_is_split_evenly_larger_parts_first(rows, workers):
+    from torchstrategies.strategies._keras import split_rows
+
+    parts = [split_rows(rows, workers, r) for r in range(workers)]
+    sizes = [b - a for a, b in parts]
+    assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [a for a, _ in parts[1:]] == [b for _, b in parts[:-1]] and parts[0][0] == 0
+
+
+@pytest.mark.parametrize("make", [lambda: ts.MirroredStrategy(num_replicas=2),
+                                  lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu")],
+                         ids=["mirrored2", "central_storage2"])
+def test_in_process_replicas_refuse_a_keras_model_naming_the_strategy_and_what_works(make):
+    strategy = make()
+    with pytest.raises(NotImplementedError, match=rf"{type(strategy).__name__}.*MultiWorkerMirroredStrategy"):
+        with strategy.scope():
+            K.build("mlp")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+def test_one_device_strategy_keeps_plain_keras_bit_for_bit(kind):
+    strategy = ts.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = K.build(kind)
+    assert_same(K.train(model), K.plain(kind), exact=True)
+    assert "train_step" not in vars(model)  # nothing attached
+
+
+@pytest.mark.timeout(120)
+def test_jit_compile_under_multi_worker_is_a_clear_error():
+    for message in run_ranks(K.mwms_jit, 2, timeout=100):
+        assert "jit_compile=True is not supported" in message and "jit_compile=False" in message
+
+
+def test_importing_torchstrategies_never_imports_keras():
+    code = "import sys, torchstrategies, torchstrategies.strategies; print('keras' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
