@@ -36,7 +36,7 @@ def build(kind: str) -> Any:
     keras.utils.set_random_seed(1)
     layers = [keras.layers.Input((FEATURES,)), RowCounter(), keras.layers.Dense(8, activation="relu")]
     if kind == "bn":
-        layers += [keras.layers.BatchNormalization(), keras.layers.Dropout(0.0)]
+        layers += [keras.layers.BatchNormalization(), keras.layers.Dropout(0.3)]
     layers += [keras.layers.Dense(1)]
     model = keras.Sequential(layers)
     RowCounter.seen = 0
@@ -88,5 +88,32 @@ def mwms_jit(rank: int, world: int) -> str:
         except NotImplementedError as e:
             return str(e)
         return "trained"
+    finally:
+        strategy.shutdown()
+
+
+def mwms_checkpoint(rank: int, world: int, directory: str) -> list[str]:
+    """Fits with a ModelCheckpoint to ``directory`` (the same on every worker); returns where it saved."""
+    import keras
+
+    import torchstrategies as ts
+
+    saved: list[str] = []
+
+    class Recording(keras.callbacks.ModelCheckpoint):
+        def _save_model(self, epoch, batch, logs):
+            super()._save_model(epoch, batch, logs)
+            saved.append(str(self.filepath))
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = build("mlp")
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = data()
+        path = os.path.join(directory, "model.keras")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=[Recording(path)])
+        assert os.path.exists(path) or rank != 0
+        return saved
     finally:
         strategy.shutdown()

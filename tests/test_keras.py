@@ -60,6 +60,23 @@ def test_multi_worker_fit_equals_one_process_on_the_global_batches():
         np.testing.assert_array_equal(a, b)  # mirrored: bit-equal on every rank
 
 
+@pytest.mark.timeout(240)
+def test_multi_worker_fit_with_batch_norm_and_dropout_equals_one_process():
+    """BatchNormalization normalizes with the global batch's statistics and Dropout draws the global
+    batch's mask, so both workers together train as one process; dropout is off at evaluate/predict."""
+    want = reference("bn")
+    for got in run_ranks(K.mwms_rank, 2, args=("bn",), timeout=200):
+        assert_same(got, want)
+
+
+@pytest.mark.timeout(120)
+def test_model_checkpoint_writes_once_on_the_chief(tmp_path):
+    chief, other = run_ranks(K.mwms_checkpoint, 2, args=(str(tmp_path),), timeout=100)
+    assert chief == [str(tmp_path / "model.keras")] * 2
+    assert len(other) == 2 and not any(p.startswith(str(tmp_path)) for p in other), other
+    assert not any(os.path.exists(os.path.dirname(p)) for p in other)  # the scratch directory is removed
+
+
 @pytest.mark.parametrize("rows,workers", [(8, 2), (5, 2), (7, 3), (2, 2)])
 def test_a_global_batch_is_split_evenly_larger_parts_first(rows, workers):
     from torchstrategies.strategies._keras import split_rows

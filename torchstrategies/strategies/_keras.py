@@ -18,6 +18,13 @@ needs on top, as instance attributes of the model (its class is untouched):
   callbacks see are the job's values, on every worker.
 * Floating non-trainable variables of the model (BatchNormalization's moving statistics) become their
   cross-worker mean after each train step (the one buffer rule: equal on every rank between steps).
+* In a train step a ``BatchNormalization`` layer normalizes with the statistics of the GLOBAL batch (one
+  differentiable all-reduce of the per-channel sums, as ``ts.nn.SyncBatchNorm``), so N workers train as
+  one process with the global batch (TF's Keras uses per-replica statistics unless ``synchronized=True``,
+  which Keras 3 refuses on torch). A layer that draws random numbers (it has a ``seed_generator``:
+  Dropout, GaussianNoise, random augmentation) draws them for the whole global batch, zero-padded around
+  this worker's rows, and keeps its rows: the same masks as one process, and the seed state stays equal
+  on every worker.
 * ``predict_step`` runs the whole batch on every worker (no communication; every worker gets every
   prediction).
 * ``fit`` on a worker other than the chief gives each ``ModelCheckpoint`` a temporary directory, removed
@@ -87,6 +94,22 @@ def _map(fn: Callable[[Any], Any], data: Any) -> Any:
     return fn(data)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """A SUM all-reduce over the workers whose gradient is the SUM all-reduce of the gradients (every
+    worker's loss depends on the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, extended: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.extended = extended
+        (out,) = extended.all_reduce_tensors(ReduceOp.SUM, [t.detach()])
+        return out.to(t.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (out,) = ctx.extended.all_reduce_tensors(ReduceOp.SUM, [grad.contiguous()])
+        return out.to(grad.device), None
+
+
 class _KerasWorker:
     """The per-model state: the strategy's extended object and the model's original step functions."""
 
@@ -96,6 +119,43 @@ class _KerasWorker:
         self.train_step = model.train_step
         self.test_step = model.test_step
         self.fit = model.fit
+        self.rows: tuple[int, int, int] | None = None  # (start, stop, global rows) inside a train step
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            if _is_batch_norm(layer):
+                object.__setattr__(layer, "_moments", self._global_moments(layer))
+            elif getattr(layer, "seed_generator", None) is not None:
+                object.__setattr__(layer, "call", self._global_randomness(layer.call))
+
+    def _global_moments(self, layer: Any) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]:
+        local = layer._moments
+
+        def moments(inputs: torch.Tensor, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.rows is None:
+                return local(inputs, mask)  # a forward pass outside fit: this worker's batch
+            if mask is not None:
+                raise NotImplementedError(
+                    f"A masked BatchNormalization ({layer.name}) under MultiWorkerMirroredStrategy is not "
+                    "supported: its global statistics are computed only without a mask")
+            axes = list(layer._reduction_axes)
+            s1, s2 = inputs.sum(dim=axes), torch.square(inputs).sum(dim=axes)
+            count = torch.tensor([inputs.numel() / max(s1.numel(), 1)], dtype=inputs.dtype, device=inputs.device)
+            total = _AllReduceSum.apply(torch.cat([s1.reshape(-1), s2.reshape(-1), count]), self.extended)
+            c = s1.numel()
+            n = total[2 * c].detach()
+            mean = (total[:c] / n).reshape(s1.shape)
+            return mean, (total[c:2 * c] / n).reshape(s1.shape) - torch.square(mean)
+
+        return moments
+
+    def _global_randomness(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def call_(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.rows is None or not isinstance(inputs, torch.Tensor):
+                return call(inputs, *args, **kwargs)
+            start, stop, n = self.rows
+            pad = [inputs.new_zeros((k, *inputs.shape[1:])) for k in (start, n - stop)]
+            return call(torch.cat([pad[0], inputs, pad[1]]), *args, **kwargs)[start:stop]
+
+        return call_
 
     @property
     def rank(self) -> int:
@@ -148,8 +208,13 @@ class _KerasWorker:
 
     def train(self, data: Any) -> Any:
         local, rows, total = _shard(data, self.rank, self.workers)
-        with self._global_metrics(), self._scaled_loss(rows / total):
-            logs = self.train_step(local)
+        start, _ = split_rows(total, self.workers, self.rank)
+        self.rows = (start, start + rows, total)
+        try:
+            with self._global_metrics(), self._scaled_loss(rows / total):
+                logs = self.train_step(local)
+        finally:
+            self.rows = None
         self._mean_non_trainable()
         return _with_global(logs, self.model)
 
@@ -167,7 +232,7 @@ class _KerasWorker:
         scratch = tempfile.mkdtemp(prefix=f"torchstrategies_keras_worker{self.rank}_")
         try:
             for cb in callbacks:
-                if hasattr(cb, "filepath") and type(cb).__name__ == "ModelCheckpoint":
+                if any(c.__name__ == "ModelCheckpoint" for c in type(cb).__mro__):
                     moved.append((cb, cb.filepath))
                     cb.filepath = os.path.join(scratch, os.path.basename(str(cb.filepath)))
             return self.fit(*args, **kwargs)
@@ -175,6 +240,10 @@ class _KerasWorker:
             for cb, path in moved:
                 cb.filepath = path
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _is_batch_norm(layer: Any) -> bool:
+    return any(c.__name__ == "BatchNormalization" for c in type(layer).__mro__) and hasattr(layer, "_moments")
 
 
 def _is_float(t: Any) -> bool:
