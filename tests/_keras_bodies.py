@@ -44,7 +44,27 @@ def build(kind: str) -> Any:
     return model
 
 
-def train(model: Any, jit_compile: bool = False) -> dict[str, Any]:
+def fit_inputs(source: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``fit`` that give the same global batches from NumPy arrays, a torch DataLoader or
+    a Python generator."""
+    import torch
+
+    x, y = data()
+    if source == "arrays":
+        return (x, y), {"batch_size": GLOBAL_BATCH, "shuffle": False}
+    if source == "loader":
+        dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        return (torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH),), {}
+
+    def batches():
+        while True:
+            for i in range(0, ROWS, GLOBAL_BATCH):
+                yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
+
+    return (batches(),), {"steps_per_epoch": -(-ROWS // GLOBAL_BATCH)}
+
+
+def train(model: Any, jit_compile: bool = False, source: str = "arrays") -> dict[str, Any]:
     """Compiles and fits ``model`` (made in or out of a scope) on the global batches; returns what the tests
     compare."""
     import keras
@@ -52,7 +72,8 @@ def train(model: Any, jit_compile: bool = False) -> dict[str, Any]:
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"],
                   jit_compile=jit_compile)
     x, y = data()
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    args, kwargs = fit_inputs(source)
+    history = model.fit(*args, epochs=EPOCHS, verbose=0, **kwargs)
     rows = model.row_counter.seen
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     prediction = model.predict(x[:6], batch_size=4, verbose=0)
@@ -64,14 +85,14 @@ def plain(kind: str) -> dict[str, Any]:
     return train(build(kind))
 
 
-def mwms_rank(rank: int, world: int, kind: str) -> dict[str, Any]:
+def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays") -> dict[str, Any]:
     import torchstrategies as ts
 
     strategy = ts.MultiWorkerMirroredStrategy()
     try:
         with strategy.scope():
             model = build(kind)
-        return train(model)
+        return train(model, source=source)
     finally:
         strategy.shutdown()
 

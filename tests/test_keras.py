@@ -61,6 +61,16 @@ def test_multi_worker_fit_equals_one_process_on_the_global_batches():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("source", ["loader", "generator"])
+def test_multi_worker_fit_from_a_data_loader_or_a_generator_of_global_batches(source):
+    want = reference("mlp")
+    ranks = run_ranks(K.mwms_rank, 2, args=("mlp", source), timeout=200)
+    for got in ranks:
+        assert_same(got, want)
+    assert sum(r["rows"] for r in ranks) == K.EPOCHS * K.ROWS and min(r["rows"] for r in ranks) > 0
+
+
+@pytest.mark.timeout(240)
 def test_multi_worker_fit_with_batch_norm_and_dropout_equals_one_process():
     """BatchNormalization normalizes with the global batch's statistics and Dropout draws the global
     batch's mask, so both workers together train as one process; dropout is off at evaluate/predict."""
