@@ -25,12 +25,16 @@ def build(kind: str) -> Any:
     the rows each training forward pass sees (``model.rows_seen``)."""
     import keras
 
+    import torchstrategies as ts
+
     class RowCounter(keras.layers.Layer):
-        seen = 0
+        seen: dict[int, int] = {}  # replica of this process -> rows its training forward passes saw
 
         def call(self, x, training=False):
             if training:
-                RowCounter.seen += int(x.shape[0])
+                rc = ts.get_replica_context()
+                replica = 0 if rc is None or ts.in_cross_replica_context() else rc.replica_id_in_sync_group
+                RowCounter.seen[replica] = RowCounter.seen.get(replica, 0) + int(x.shape[0])
             return x
 
     keras.utils.set_random_seed(1)
@@ -39,7 +43,7 @@ def build(kind: str) -> Any:
         layers += [keras.layers.BatchNormalization(), keras.layers.Dropout(0.3)]
     layers += [keras.layers.Dense(1)]
     model = keras.Sequential(layers)
-    RowCounter.seen = 0
+    RowCounter.seen = {}
     model.row_counter = RowCounter
     return model
 
@@ -74,7 +78,7 @@ def train(model: Any, jit_compile: bool = False, source: str = "arrays") -> dict
     x, y = data()
     args, kwargs = fit_inputs(source)
     history = model.fit(*args, epochs=EPOCHS, verbose=0, **kwargs)
-    rows = model.row_counter.seen
+    rows = dict(model.row_counter.seen)
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     prediction = model.predict(x[:6], batch_size=4, verbose=0)
     return {"weights": [np.array(w) for w in model.get_weights()], "history": history.history,
@@ -83,6 +87,16 @@ def train(model: Any, jit_compile: bool = False, source: str = "arrays") -> dict
 
 def plain(kind: str) -> dict[str, Any]:
     return train(build(kind))
+
+
+def in_process(strategy_name: str, kind: str) -> dict[str, Any]:
+    import torchstrategies as ts
+
+    strategy = (ts.MirroredStrategy(num_replicas=2) if strategy_name == "mirrored2"
+                else ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"))
+    with strategy.scope():
+        model = build(kind)
+    return train(model)
 
 
 def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays") -> dict[str, Any]:

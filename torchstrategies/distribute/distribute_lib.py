@@ -50,7 +50,7 @@ Creation (called by the tracker in ``distribute/creation.py`` while ``scope()`` 
     ``_on_optimizer_created(optimizer)``: right after ``torch.optim.Optimizer.__init__``; e.g. replace
     ``optimizer.step`` by an instance attribute.
     ``_on_keras_module(module)``: a top-level Keras 3 layer or model, just before ``_on_module_created``
-    (default: refused with several replicas; MultiWorkerMirrored attaches ``strategies/_keras.py``).
+    (default: refused with several replicas; Mirrored and MultiWorkerMirrored attach ``strategies/_keras.py``).
     ``_create_variable(initial_value, synchronization, aggregation, trainable, name)`` for ``ts.Variable``.
 Input
     ``_experimental_distribute_dataset(dataset, options)``, ``_distribute_datasets_from_function(fn,
@@ -730,16 +730,15 @@ class StrategyExtended:
     def _on_keras_module(self, module: torch.nn.Module) -> None:
         """A top-level Keras 3 layer or model made in the scope (before ``_on_module_created``). By default
         refused with several replicas: ``Model.fit`` runs its own loop, outside ``strategy.run`` and the
-        gradient rule (MultiWorkerMirrored overrides this, ``strategies/_keras.py``)."""
+        gradient rule (Mirrored, CentralStorage and MultiWorkerMirrored override this: ``strategies/_keras.py``)."""
         if self._num_replicas_in_sync < 2:
             return
         raise NotImplementedError(
             f"A Keras model ({type(module).__name__}) was made in the scope of {self._container_strategy()!r}: "
-            "torchstrategies does not distribute Keras 3 models over in-process replicas (Model.fit runs its own "
-            "loop, outside strategy.run, so the replicas would not train as one model). Keras' fit is supported "
-            "under MultiWorkerMirroredStrategy, one replica per process (torchrun --nproc-per-node=N for N "
-            "replicas on one host; docs/keras.md), or write the training step in PyTorch and run it with "
-            "strategy.run")
+            "torchstrategies does not distribute Keras 3 models under this strategy (Model.fit runs its own "
+            "loop, so the replicas would not train as one model). Keras' fit is supported under "
+            "MirroredStrategy, CentralStorageStrategy and MultiWorkerMirroredStrategy (docs/keras.md); or "
+            "write the training step in PyTorch and run it with strategy.run")
 
     def _create_variable(
         self, initial_value: torch.Tensor, synchronization: VariableSynchronization,

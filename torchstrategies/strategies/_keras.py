@@ -36,6 +36,7 @@ Keras is never imported here: the model is reached only through the object hande
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -44,6 +45,8 @@ from typing import Any
 
 import torch
 
+from torchstrategies.distribute import context as ts_context
+from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["attach", "is_keras_model", "split_rows"]
@@ -64,20 +67,6 @@ def split_rows(n: int, workers: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _shard(data: Any, rank: int, workers: int) -> tuple[Any, int, int]:
-    """This worker's rows of every tensor in the nested batch ``data``; also its and the global row count."""
-    sizes = {t.shape[0] for t in _leaves(data) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"A Keras batch under MultiWorkerMirroredStrategy must have one batch size, got {sizes}")
-    (n,) = sizes
-    start, stop = split_rows(n, workers, rank)
-    if stop == start:
-        raise ValueError(
-            f"A global batch of {n} rows can not be split over {workers} workers (worker {rank} would get no "
-            "rows): make batch_size and the last batch at least the number of workers")
-    return _map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, data), stop - start, n
-
-
 def _leaves(data: Any) -> list[Any]:
     if isinstance(data, (tuple, list)):
         return [x for d in data for x in _leaves(d)]
@@ -95,23 +84,34 @@ def _map(fn: Callable[[Any], Any], data: Any) -> Any:
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """A SUM all-reduce over the workers whose gradient is the SUM all-reduce of the gradients (every
-    worker's loss depends on the sum)."""
+    """A SUM all-reduce over the replicas whose gradient is the SUM all-reduce of the gradients (every
+    replica's loss depends on the sum)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, extended: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.extended = extended
-        (out,) = extended.all_reduce_tensors(ReduceOp.SUM, [t.detach()])
-        return out.to(t.device)
+    def forward(ctx: Any, t: torch.Tensor, comm: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return comm.all_reduce_sum(t.detach()).to(t.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (out,) = ctx.extended.all_reduce_tensors(ReduceOp.SUM, [grad.contiguous()])
-        return out.to(grad.device), None
+        return ctx.comm.all_reduce_sum(grad.contiguous()).to(grad.device), None
 
 
-class _KerasWorker:
-    """The per-model state: the strategy's extended object and the model's original step functions."""
+class _WorkerCommunicator:
+    """Sums over the workers of a MultiWorkerMirrored strategy (one replica each)."""
+
+    def __init__(self, extended: Any) -> None:
+        self._extended = extended
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        (out,) = self._extended.all_reduce_tensors(ReduceOp.SUM, [t])
+        return out
+
+
+class _KerasReplicas:
+    """What both kinds of strategy share: the model's original step functions, the split of a global
+    batch, the loss scale, and the layers that see the global batch (BatchNormalization, random layers).
+    Subclasses say how a step runs over the replicas and how they communicate."""
 
     def __init__(self, extended: Any, model: Any) -> None:
         self.extended = extended
@@ -119,27 +119,45 @@ class _KerasWorker:
         self.train_step = model.train_step
         self.test_step = model.test_step
         self.fit = model.fit
-        self.rows: tuple[int, int, int] | None = None  # (start, stop, global rows) inside a train step
+        self.rows: dict[int, tuple[int, int, int]] | None = None  # replica -> (start, stop, n) in a train step
         for layer in model._flatten_layers(include_self=False, recursive=True):
             if _is_batch_norm(layer):
                 object.__setattr__(layer, "_moments", self._global_moments(layer))
             elif getattr(layer, "seed_generator", None) is not None:
-                object.__setattr__(layer, "call", self._global_randomness(layer.call))
+                object.__setattr__(layer, "call", self._global_randomness(layer, layer.call))
+
+    def replica_id(self) -> int:
+        raise NotImplementedError
+
+    def communicator(self) -> Any:
+        raise NotImplementedError
+
+    def split(self, data: Any) -> tuple[list[Any], int]:
+        """Every replica's rows of the global batch ``data`` (``self.rows`` set) and the global row count."""
+        n = _batch_rows(data)
+        replicas = int(self.extended._num_replicas_in_sync)
+        parts = [split_rows(n, replicas, r) for r in range(replicas)]
+        if any(stop == start for start, stop in parts):
+            raise ValueError(
+                f"A global batch of {n} rows can not be split over {replicas} replicas (one would get no rows): "
+                "make batch_size and the last batch at least the number of replicas")
+        self.rows = {r: (start, stop, n) for r, (start, stop) in enumerate(parts)}
+        return [_map(functools.partial(_rows, start=start, stop=stop), data) for start, stop in parts], n
 
     def _global_moments(self, layer: Any) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]:
         local = layer._moments
 
         def moments(inputs: torch.Tensor, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if self.rows is None:
-                return local(inputs, mask)  # a forward pass outside fit: this worker's batch
+                return local(inputs, mask)  # a forward pass outside fit: this replica's batch
             if mask is not None:
                 raise NotImplementedError(
-                    f"A masked BatchNormalization ({layer.name}) under MultiWorkerMirroredStrategy is not "
+                    f"A masked BatchNormalization ({layer.name}) under {type(self.extended).__name__} is not "
                     "supported: its global statistics are computed only without a mask")
             axes = list(layer._reduction_axes)
             s1, s2 = inputs.sum(dim=axes), torch.square(inputs).sum(dim=axes)
             count = torch.tensor([inputs.numel() / max(s1.numel(), 1)], dtype=inputs.dtype, device=inputs.device)
-            total = _AllReduceSum.apply(torch.cat([s1.reshape(-1), s2.reshape(-1), count]), self.extended)
+            total = _AllReduceSum.apply(torch.cat([s1.reshape(-1), s2.reshape(-1), count]), self.communicator())
             c = s1.numel()
             n = total[2 * c].detach()
             mean = (total[:c] / n).reshape(s1.shape)
@@ -147,23 +165,56 @@ class _KerasWorker:
 
         return moments
 
-    def _global_randomness(self, call: Callable[..., Any]) -> Callable[..., Any]:
+    def _global_randomness(self, layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
         def call_(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if self.rows is None or not isinstance(inputs, torch.Tensor):
                 return call(inputs, *args, **kwargs)
-            start, stop, n = self.rows
+            start, stop, n = self.rows[self.replica_id()]
             pad = [inputs.new_zeros((k, *inputs.shape[1:])) for k in (start, n - stop)]
-            return call(torch.cat([pad[0], inputs, pad[1]]), *args, **kwargs)[start:stop]
+            with self._same_draw(layer, inputs.device):
+                return call(torch.cat([pad[0], inputs, pad[1]]), *args, **kwargs)[start:stop]
 
         return call_
 
-    @property
-    def rank(self) -> int:
+    @contextlib.contextmanager
+    def _same_draw(self, layer: Any, device: torch.device) -> Iterator[None]:
+        """Every replica of this process draws the same random numbers (a process's replicas share its
+        random state). One replica per process: nothing to do."""
+        yield
+
+    @contextlib.contextmanager
+    def _scaled_loss(self) -> Iterator[None]:
+        """Each replica's loss times its rows / the global rows, before backward."""
+        optimizer = self.model.optimizer
+        if optimizer is None:
+            yield
+            return
+        scale = optimizer.scale_loss  # the class's, or a LossScaleOptimizer's
+
+        def scaled(loss: torch.Tensor) -> torch.Tensor:
+            assert self.rows is not None
+            start, stop, n = self.rows[self.replica_id()]
+            return scale(loss) * ((stop - start) / n)
+
+        object.__setattr__(optimizer, "scale_loss", scaled)
+        try:
+            yield
+        finally:
+            object.__delattr__(optimizer, "scale_loss")
+
+    def fit_(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fit(*args, **kwargs)
+
+
+class _KerasWorker(_KerasReplicas):
+    """MultiWorkerMirrored: this process is one replica; it keeps its rows, and metrics and non-trainable
+    floats are made global after each step."""
+
+    def replica_id(self) -> int:
         return int(self.extended.rank)
 
-    @property
-    def workers(self) -> int:
-        return int(self.extended.world_size)
+    def communicator(self) -> Any:
+        return _WorkerCommunicator(self.extended)
 
     def _metric_variables(self) -> list[Any]:
         return [v for v in self.model.metrics_variables if _is_float(v.value)]
@@ -186,19 +237,6 @@ class _KerasWorker:
         yield
         self._globalize_metrics(before, variables)
 
-    @contextlib.contextmanager
-    def _scaled_loss(self, factor: float) -> Iterator[None]:
-        optimizer = self.model.optimizer
-        if optimizer is None:
-            yield
-            return
-        scale = optimizer.scale_loss  # the class's, or a LossScaleOptimizer's
-        object.__setattr__(optimizer, "scale_loss", lambda loss: scale(loss) * factor)
-        try:
-            yield
-        finally:
-            object.__delattr__(optimizer, "scale_loss")
-
     def _mean_non_trainable(self) -> None:
         floats = [v for v in self.model.non_trainable_variables if _is_float(v.value)]
         if floats:
@@ -207,21 +245,20 @@ class _KerasWorker:
                 v.assign(m.to(v.value.device))
 
     def train(self, data: Any) -> Any:
-        local, rows, total = _shard(data, self.rank, self.workers)
-        start, _ = split_rows(total, self.workers, self.rank)
-        self.rows = (start, start + rows, total)
+        shards, _ = self.split(data)
         try:
-            with self._global_metrics(), self._scaled_loss(rows / total):
-                logs = self.train_step(local)
+            with self._global_metrics(), self._scaled_loss():
+                logs = self.train_step(shards[self.replica_id()])
         finally:
             self.rows = None
         self._mean_non_trainable()
         return _with_global(logs, self.model)
 
     def test(self, data: Any) -> Any:
-        local, _, _ = _shard(data, self.rank, self.workers)
+        shards, _ = self.split(data)
+        self.rows = None
         with self._global_metrics():
-            logs = self.test_step(local)
+            logs = self.test_step(shards[self.replica_id()])
         return _with_global(logs, self.model)
 
     def fit_(self, *args: Any, **kwargs: Any) -> Any:
@@ -229,7 +266,7 @@ class _KerasWorker:
             return self.fit(*args, **kwargs)
         callbacks = kwargs.get("callbacks") or []
         moved = []
-        scratch = tempfile.mkdtemp(prefix=f"torchstrategies_keras_worker{self.rank}_")
+        scratch = tempfile.mkdtemp(prefix=f"torchstrategies_keras_worker{self.replica_id()}_")
         try:
             for cb in callbacks:
                 if any(c.__name__ == "ModelCheckpoint" for c in type(cb).__mro__):
@@ -240,6 +277,104 @@ class _KerasWorker:
             for cb, path in moved:
                 cb.filepath = path
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+class _KerasInProcess(_KerasReplicas):
+    """Mirrored / CentralStorage: Keras' own step runs once per replica in ``strategy.run`` on the
+    replica's rows; backward sums the gradients (the in-process gradient rule) and the Keras optimizer's
+    ``apply`` is a merge_call, so it updates once, in cross-replica context, from the summed gradients, and
+    the strategy copies the update to every replica's weights. The replicas run one at a time on the
+    model's one set of metric variables, so the metrics add up every replica's rows (the global values)."""
+
+    def __init__(self, extended: Any, model: Any) -> None:
+        super().__init__(extended, model)
+        self._draws: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def replica_id(self) -> int:
+        return _replica_context().replica_id_in_sync_group
+
+    def communicator(self) -> Any:
+        from torchstrategies.nn.sync_batchnorm import _ReplicaCommunicator
+
+        return _ReplicaCommunicator(_replica_context())
+
+    @contextlib.contextmanager
+    def _same_draw(self, layer: Any, device: torch.device) -> Iterator[None]:
+        """The replicas share this process's random state and run one at a time: replica 0 records the
+        state (torch's generator of the device, the layer's seed) before its draw, the others start from
+        it, so every replica draws the global batch's numbers, and the state after the step is one draw's."""
+        seed = layer.seed_generator.state
+        if self.replica_id() == 0:
+            self._draws[id(layer)] = (_rng_state(device), seed.value.detach().clone())
+        else:
+            rng, state = self._draws[id(layer)]
+            _set_rng_state(device, rng)
+            seed.assign(state)
+        yield
+
+    @contextlib.contextmanager
+    def _merged_apply(self) -> Iterator[None]:
+        optimizer = self.model.optimizer
+        apply = optimizer.apply
+
+        def merged(grads: Any, variables: Any = None) -> Any:
+            variables = list(variables if variables is not None else self.model.trainable_variables)
+
+            def update(strategy: Any) -> Any:  # cross-replica: .grad is the replicas' sum
+                return apply([v.value.grad for v in variables], variables)
+
+            return _replica_context().merge_call(update)
+
+        object.__setattr__(optimizer, "apply", merged)
+        try:
+            yield
+        finally:
+            object.__delattr__(optimizer, "apply")
+
+    def train(self, data: Any) -> Any:
+        shards, _ = self.split(data)
+        strategy = self.extended._container_strategy()
+        try:
+            with self._scaled_loss(), self._merged_apply():
+                strategy.run(self.train_step, args=(PerReplica(tuple(shards)),))
+        finally:
+            self.rows = None
+        return self.model.get_metrics_result()
+
+    def test(self, data: Any) -> Any:
+        shards, _ = self.split(data)
+        self.rows = None
+        self.extended._container_strategy().run(self.test_step, args=(PerReplica(tuple(shards)),))
+        return self.model.get_metrics_result()
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _replica_context() -> Any:
+    rc = ts_context.get_replica_context()
+    if rc is None:
+        raise RuntimeError("Keras' train step of a model under an in-process strategy ran outside strategy.run")
+    return rc
+
+
+def _batch_rows(data: Any) -> int:
+    sizes = {t.shape[0] for t in _leaves(data) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"A Keras batch under a strategy must have one batch size, got {sorted(sizes)}")
+    return int(sizes.pop())
+
+
+def _rows(t: Any, start: int, stop: int) -> Any:
+    return t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
 
 
 def _is_batch_norm(layer: Any) -> bool:
@@ -257,22 +392,23 @@ def _with_global(logs: Any, model: Any) -> Any:
     return {**logs, **model.get_metrics_result()}
 
 
-def attach(extended: Any, model: Any) -> None:
-    """Makes ``model.fit`` / ``evaluate`` / ``predict`` train as one model over every worker of
-    ``extended`` (a MultiWorkerMirrored strategy's extended object). Idempotent."""
+def attach(extended: Any, model: Any, in_process: bool) -> None:
+    """Makes ``model.fit`` / ``evaluate`` / ``predict`` train as one model over every replica of
+    ``extended``: a MultiWorkerMirrored strategy's (``in_process=False``) or a Mirrored /
+    CentralStorage one's (``in_process=True``). Idempotent."""
     if getattr(model, _ATTACHED, None) is not None:
         return
     if getattr(model, "jit_compile", False) is True:
         raise NotImplementedError(_JIT)
-    worker = _KerasWorker(extended, model)
+    worker = (_KerasInProcess if in_process else _KerasWorker)(extended, model)
     for name, fn in (("train_step", worker.train), ("test_step", worker.test), ("fit", worker.fit_),
                      ("compile", _compile(model)), (_ATTACHED, worker)):
         object.__setattr__(model, name, fn)
 
 
-_JIT = ("jit_compile=True is not supported for a Keras model under MultiWorkerMirroredStrategy (torch.compile "
-        "of Keras' train step would trace the split of the batch and the metric all-reduce): compile the model "
-        "with jit_compile=False (Keras' default on the torch backend)")
+_JIT = ("jit_compile=True is not supported for a Keras model under a torchstrategies strategy (torch.compile of "
+        "Keras' train step would trace the split of the batch and the replicas' communication): compile the "
+        "model with jit_compile=False (Keras' default on the torch backend)")
 
 
 def _compile(model: Any) -> Callable[..., Any]:

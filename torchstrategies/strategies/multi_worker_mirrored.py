@@ -327,7 +327,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """A Keras 3 model made in the scope trains with ``fit`` as one model over the workers
         (``_keras.py``); its weights are adopted by ``_on_module_created`` like any module's."""
         if _keras.is_keras_model(module):
-            _keras.attach(self, module)
+            _keras.attach(self, module, in_process=False)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer made in the scope over parameters made outside it (a model built before the
