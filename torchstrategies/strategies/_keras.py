@@ -1,34 +1,36 @@
-"""Keras 3 (torch backend) ``fit`` / ``evaluate`` / ``predict`` under MultiWorkerMirroredStrategy.
+"""Keras 3 (torch backend) ``fit`` / ``evaluate`` / ``predict`` under MultiWorkerMirrored, Mirrored and
+CentralStorage strategies, as under tf.distribute.
 
 A Keras model made in the scope is a ``torch.nn.Module`` whose variables are ``nn.Parameter``s, so the
-strategy adopts it like any module: rank 0's weights are broadcast and its trainable parameters join the
-gradient synchronizer, so after Keras' own ``loss.backward()`` every ``.grad`` is the cross-worker sum (the
-one gradient path of docs/strategies.md, nothing reduced twice). This module adds only what Keras' loop
-needs on top, as instance attributes of the model (its class is untouched):
+strategy adopts it like any module (MWMS: rank 0's weights broadcast, trainable ones in the gradient
+synchronizer; in-process: replicated), and Keras' own ``loss.backward()`` leaves in every ``.grad`` the
+cross-replica sum: the one gradient path of docs/strategies.md, nothing reduced twice. This module adds
+only what Keras' loop needs on top, as instance attributes of the model (its class is untouched):
 
 * ``train_step`` / ``test_step`` receive the GLOBAL batch (every worker passes the same full data and
-  ``batch_size`` is global, as under tf.distribute) and keep this worker's rows: the batch is split evenly
-  over the workers, larger parts first (TF's rule for a partial batch).
-* The loss is scaled by ``local rows / global rows`` before backward (``optimizer.scale_loss``, Keras' own
-  seam), so the summed gradient is the gradient of the global mean: ``1/num_workers`` for an even split,
-  as TF's Keras scales, and exact for an uneven final batch.
-* After each step the metric variables are made global: a variable with aggregation ``"sum"`` (Keras'
-  default for metric state: totals, counts) becomes its value before the step plus the cross-worker sum of
-  what each worker added; ``"mean"`` ones the cross-worker mean. So ``history``, ``evaluate()`` and what
-  callbacks see are the job's values, on every worker.
-* Floating non-trainable variables of the model (BatchNormalization's moving statistics) become their
-  cross-worker mean after each train step (the one buffer rule: equal on every rank between steps).
+  ``batch_size`` is global, as under tf.distribute) and split it over the replicas, evenly, larger parts
+  first (TF's rule for a partial batch). MWMS: this process runs Keras' step on its rows. In-process:
+  ``strategy.run`` runs Keras' step once per replica on its rows, and the Keras optimizer's ``apply`` is a
+  merge_call (one update in cross-replica context from the summed gradients, copied to every replica).
+* The loss is scaled by ``replica rows / global rows`` before backward (``optimizer.scale_loss``, Keras'
+  own seam), so the summed gradient is the gradient of the global mean: ``1/num_replicas`` for an even
+  split, as TF's Keras scales, and exact for an uneven final batch.
+* Metrics are global. MWMS: after each step a metric variable with aggregation ``"sum"`` (Keras' default
+  for metric state: totals, counts) becomes its value before the step plus the cross-worker sum of what
+  each worker added, ``"mean"`` ones the cross-worker mean. In-process: the replicas run one at a time on
+  the model's one set of metric variables, so they add up every replica's rows. So ``history``,
+  ``evaluate()`` and what callbacks see are the job's values, on every worker.
 * In a train step a ``BatchNormalization`` layer normalizes with the statistics of the GLOBAL batch (one
-  differentiable all-reduce of the per-channel sums, as ``ts.nn.SyncBatchNorm``), so N workers train as
+  differentiable all-reduce of the per-channel sums, as ``ts.nn.SyncBatchNorm``), so N replicas train as
   one process with the global batch (TF's Keras uses per-replica statistics unless ``synchronized=True``,
-  which Keras 3 refuses on torch). A layer that draws random numbers (it has a ``seed_generator``:
-  Dropout, GaussianNoise, random augmentation) draws them for the whole global batch, zero-padded around
-  this worker's rows, and keeps its rows: the same masks as one process, and the seed state stays equal
-  on every worker.
-* ``predict_step`` runs the whole batch on every worker (no communication; every worker gets every
-  prediction).
-* ``fit`` on a worker other than the chief gives each ``ModelCheckpoint`` a temporary directory, removed
-  after ``fit`` (TF's rule: the chief writes, the others write somewhere harmless).
+  which Keras 3 refuses on torch). MWMS also averages floating non-trainable variables across the
+  workers after each step (the buffer rule: equal on every rank between steps).
+* A layer that draws random numbers (it has a ``seed_generator``: Dropout, GaussianNoise, random
+  augmentation) draws them for the whole global batch, zero-padded around the replica's rows, and keeps
+  its rows: the masks of one process; in-process replicas start their draw from the same random state.
+* ``predict_step`` runs the whole batch (no communication): every worker gets every prediction.
+* MWMS ``fit`` on a worker other than the chief gives each ``ModelCheckpoint`` a temporary directory,
+  removed after ``fit`` (TF's rule: the chief writes, the others write somewhere harmless).
 
 Keras is never imported here: the model is reached only through the object handed in.
 """
