@@ -13,8 +13,9 @@ import pytest
 from tests.harness import run_ranks
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-keras = pytest.importorskip("keras", reason="keras is not installed or does not import (pip install torchstrategies[keras])",
-                            exc_type=ImportError)
+keras = pytest.importorskip(
+    "keras", reason="keras is not installed or does not import (pip install torchstrategies[keras])",
+    exc_type=ImportError)
 if keras.backend.backend() != "torch":
     pytest.skip(f"keras runs on the {keras.backend.backend()!r} backend, not torch", allow_module_level=True)
 
