@@ -68,7 +68,8 @@ def fit_inputs(source: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batches(),), {"steps_per_epoch": -(-ROWS // GLOBAL_BATCH)}
 
 
-def train(model: Any, jit_compile: bool = False, source: str = "arrays") -> dict[str, Any]:
+def train(model: Any, jit_compile: bool = False, source: str = "arrays", shuffle_seed: int | None = None
+          ) -> dict[str, Any]:
     """Compiles and fits ``model`` (made in or out of a scope) on the global batches; returns what the tests
     compare."""
     import keras
@@ -77,6 +78,11 @@ def train(model: Any, jit_compile: bool = False, source: str = "arrays") -> dict
                   jit_compile=jit_compile)
     x, y = data()
     args, kwargs = fit_inputs(source)
+    if shuffle_seed is not None:  # Keras' default shuffle=True: a torch RandomSampler seeded from torch's state
+        import torch
+
+        torch.manual_seed(shuffle_seed)
+        kwargs["shuffle"] = True
     history = model.fit(*args, epochs=EPOCHS, verbose=0, **kwargs)
     rows = dict(model.row_counter.seen)
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
@@ -99,14 +105,14 @@ def in_process(strategy_name: str, kind: str) -> dict[str, Any]:
     return train(model)
 
 
-def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays") -> dict[str, Any]:
+def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays", shuffle: bool = False) -> dict[str, Any]:
     import torchstrategies as ts
 
     strategy = ts.MultiWorkerMirroredStrategy()
     try:
         with strategy.scope():
             model = build(kind)
-        return train(model, source=source)
+        return train(model, source=source, shuffle_seed=100 + rank if shuffle else None)
     finally:
         strategy.shutdown()
 

@@ -61,6 +61,16 @@ def test_multi_worker_fit_equals_one_process_on_the_global_batches():
 
 
 @pytest.mark.timeout(240)
+def test_multi_worker_fit_with_shuffle_uses_the_same_global_batches_on_every_worker():
+    """Keras' default shuffle=True draws the order from torch's random state; the workers' states differ
+    here (seeds 100 and 101) and fit starts every worker from rank 0's, so the job equals one process
+    seeded 100."""
+    want = K.train(K.build("mlp"), shuffle_seed=100)
+    for got in run_ranks(K.mwms_rank, 2, args=("mlp", "arrays", True), timeout=200):
+        assert_same(got, want)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("source", ["loader", "generator"])
 def test_multi_worker_fit_from_a_data_loader_or_a_generator_of_global_batches(source):
     want = reference("mlp")

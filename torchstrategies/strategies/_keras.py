@@ -218,6 +218,13 @@ class _KerasWorker(_KerasReplicas):
     def communicator(self) -> Any:
         return _WorkerCommunicator(self.extended)
 
+    def _same_shuffle(self) -> None:
+        """Every worker starts ``fit`` from rank 0's torch random state, so ``shuffle=True`` (Keras'
+        default: a torch RandomSampler) gives the same global batches on every worker."""
+        state = torch.get_rng_state().to(torch.int64)
+        self.extended.broadcast_tensors([state], src=0)
+        torch.set_rng_state(state.to(torch.uint8))
+
     def _metric_variables(self) -> list[Any]:
         return [v for v in self.model.metrics_variables if _is_float(v.value)]
 
@@ -264,6 +271,7 @@ class _KerasWorker(_KerasReplicas):
         return _with_global(logs, self.model)
 
     def fit_(self, *args: Any, **kwargs: Any) -> Any:
+        self._same_shuffle()
         if self.extended.should_checkpoint:
             return self.fit(*args, **kwargs)
         callbacks = kwargs.get("callbacks") or []
