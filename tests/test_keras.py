@@ -89,9 +89,9 @@ def test_multi_worker_fit_with_batch_norm_and_dropout_equals_one_process():
         assert_same(got, want)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_model_checkpoint_writes_once_on_the_chief(tmp_path):
-    chief, other = run_ranks(K.mwms_checkpoint, 2, args=(str(tmp_path),), timeout=100)
+    chief, other = run_ranks(K.mwms_checkpoint, 2, args=(str(tmp_path),), timeout=200)
     assert chief == [str(tmp_path / "model.keras")] * 2
     assert len(other) == 2 and not any(p.startswith(str(tmp_path)) for p in other), other
     assert not any(os.path.exists(os.path.dirname(p)) for p in other)  # the scratch directory is removed
@@ -140,7 +140,7 @@ def test_one_device_strategy_keeps_plain_keras_bit_for_bit(kind):
     assert "train_step" not in vars(model)  # nothing attached
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_jit_compile_under_multi_worker_is_a_clear_error():
-    for message in run_ranks(K.mwms_jit, 2, timeout=100):
+    for message in run_ranks(K.mwms_jit, 2, timeout=200):
         assert "jit_compile=True is not supported" in message and "jit_compile=False" in message
