@@ -48,9 +48,10 @@ def assert_same(got: dict, want: dict, exact: bool = False) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_multi_worker_fit_equals_one_process_on_the_global_batches():
-    want = reference("mlp")
-    ranks = run_ranks(K.mwms_rank, 2, args=("mlp",), timeout=200)
+@pytest.mark.parametrize("kind", ["mlp", "subclassed"])  # subclassed: built at its first batch, in fit
+def test_multi_worker_fit_equals_one_process_on_the_global_batches(kind):
+    want = reference(kind)
+    ranks = run_ranks(K.mwms_rank, 2, args=(kind,), timeout=200)
     for got in ranks:
         assert_same(got, want)
     # every worker ran its share of every global batch: 37 rows in batches of 8 (last 5 -> 3 + 2)
@@ -108,7 +109,7 @@ def test_a_global_batch_is_split_evenly_larger_parts_first(rows, workers):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["mlp", "bn"])
+@pytest.mark.parametrize("kind", ["mlp", "bn", "subclassed"])
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "central_storage2"])
 def test_in_process_replicas_fit_equals_one_process_on_the_global_batches(strategy_name, kind):
     """Keras' step runs once per replica in strategy.run on the replica's rows (counted per replica), the

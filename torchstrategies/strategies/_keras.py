@@ -212,6 +212,19 @@ class _KerasWorker(_KerasReplicas):
     """MultiWorkerMirrored: this process is one replica; it keeps its rows, and metrics and non-trainable
     floats are made global after each step."""
 
+    def __init__(self, extended: Any, model: Any) -> None:
+        super().__init__(extended, model)
+        self._weights_seen = _count_weights(model)  # the strategy adopts these right after attach
+
+    def _adopt_new_weights(self) -> None:
+        """Weights the model made after the scope (a subclassed model builds at its first batch, in
+        ``fit``) are adopted before the step as if made in it: rank 0's values broadcast, gradients
+        synchronized (``_on_module_created`` is idempotent per parameter)."""
+        count = _count_weights(self.model)
+        if count != self._weights_seen:
+            self.extended._on_module_created(self.model)
+            self._weights_seen = count
+
     def replica_id(self) -> int:
         return int(self.extended.rank)
 
@@ -254,6 +267,7 @@ class _KerasWorker(_KerasReplicas):
                 v.assign(m.to(v.value.device))
 
     def train(self, data: Any) -> Any:
+        self._adopt_new_weights()
         shards, _ = self.split(data)
         try:
             with self._global_metrics(), self._scaled_loss():
@@ -264,6 +278,7 @@ class _KerasWorker(_KerasReplicas):
         return _with_global(logs, self.model)
 
     def test(self, data: Any) -> Any:
+        self._adopt_new_weights()
         shards, _ = self.split(data)
         self.rows = None
         with self._global_metrics():
@@ -385,6 +400,10 @@ def _batch_rows(data: Any) -> int:
 
 def _rows(t: Any, start: int, stop: int) -> Any:
     return t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+
+
+def _count_weights(model: Any) -> int:
+    return sum(1 for _ in model.parameters())
 
 
 def _is_batch_norm(layer: Any) -> bool:
