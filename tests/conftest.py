@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import glob
+import os
 
 import pytest
+
+# Keras 3 (an optional extra) is tested on the PyTorch backend: set before anything imports keras, so that
+# test_docs' `requires: keras` and tests/test_keras.py find it on torch.
+os.environ.setdefault("KERAS_BACKEND", "torch")
 
 
 @pytest.fixture

@@ -338,27 +338,3 @@ def _mwms_divergence(rank: int, world: int, every: int) -> list[str]:
 def test_multi_worker_divergence_check_names_the_first_differing_parameter_and_the_step(every, when):
     for messages in run_ranks(_mwms_divergence, 2, args=(every,), timeout=90):
         assert len(messages) == 1 and "Sequential.1.bias" in messages[0] and when in messages[0], messages
-
-
-# --- Keras 3 (torch backend): refused where it would train wrong ------------------------------------------
-def _keras():
-    import os
-
-    os.environ.setdefault("KERAS_BACKEND", "torch")
-    keras = pytest.importorskip("keras", reason="keras is not installed (pip install keras)")
-    if keras.backend.backend() != "torch":
-        pytest.skip(f"keras runs on the {keras.backend.backend()!r} backend, not torch")
-    return keras
-
-
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
-def test_a_keras_model_made_in_a_scope_with_several_replicas_is_refused(strategy_name):
-    keras = _keras()
-    strategy = STRATEGIES[strategy_name]()
-    if strategy.num_replicas_in_sync == 1:  # one replica: Keras trains as it would without the strategy
-        with strategy.scope():
-            keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
-        return
-    with pytest.raises(NotImplementedError, match=r"does not distribute Keras 3 models.*strategy\.run"):
-        with strategy.scope():
-            keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])

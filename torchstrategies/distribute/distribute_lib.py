@@ -49,6 +49,8 @@ Creation (called by the tracker in ``distribute/creation.py`` while ``scope()`` 
     called again for a parent that later adopts the module: be idempotent per parameter.
     ``_on_optimizer_created(optimizer)``: right after ``torch.optim.Optimizer.__init__``; e.g. replace
     ``optimizer.step`` by an instance attribute.
+    ``_on_keras_module(module)``: a top-level Keras 3 layer or model, just before ``_on_module_created``
+    (default: refused with several replicas; Mirrored and MultiWorkerMirrored attach ``strategies/_keras.py``).
     ``_create_variable(initial_value, synchronization, aggregation, trainable, name)`` for ``ts.Variable``.
 Input
     ``_experimental_distribute_dataset(dataset, options)``, ``_distribute_datasets_from_function(fn,
@@ -477,19 +479,10 @@ class Strategy:
         return self._extended._experimental_distribute_values_from_function(value_fn)
 
 
-def _refuse_keras(extended: StrategyExtended, module: torch.nn.Module) -> None:
-    """A Keras 3 model (torch backend) made in the scope of a strategy with several replicas would train
-    wrong: ``fit`` runs its own loop, outside ``strategy.run`` and the gradient rule. Refused until Keras is
-    supported (its classes are recognized by their module, so Keras is never imported here)."""
-    if extended._num_replicas_in_sync < 2:
-        return
-    if any(c.__module__.split(".")[0] == "keras" for c in type(module).__mro__):
-        raise NotImplementedError(
-            f"A Keras model ({type(module).__name__}) was made in the scope of {extended._container_strategy()!r}: "
-            "torchstrategies does not distribute Keras 3 models yet (Model.fit runs its own training loop, "
-            "outside strategy.run, so the replicas would not train as one model). Train the Keras model "
-            "without the strategy, or write the training step in PyTorch and run it with strategy.run"
-        )
+def _is_keras(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Keras 3 layer or model (torch backend), recognized by its classes' module so
+    that Keras is never imported here."""
+    return any(c.__module__.split(".")[0] == "keras" for c in type(module).__mro__)
 
 
 class StrategyExtended:
@@ -774,7 +767,8 @@ class StrategyExtended:
                     children.add(id(c))
         for m in mods:
             if id(m) not in children:
-                _refuse_keras(self, m)
+                if _is_keras(m):
+                    self._on_keras_module(m)
                 self._on_module_created(m)
 
     def _create_parameter(
@@ -790,6 +784,19 @@ class StrategyExtended:
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         return None
+
+    def _on_keras_module(self, module: torch.nn.Module) -> None:
+        """A top-level Keras 3 layer or model made in the scope (before ``_on_module_created``). By default
+        refused with several replicas: ``Model.fit`` runs its own loop, outside ``strategy.run`` and the
+        gradient rule (Mirrored, CentralStorage and MultiWorkerMirrored override this: ``strategies/_keras.py``)."""
+        if self._num_replicas_in_sync < 2:
+            return
+        raise NotImplementedError(
+            f"A Keras model ({type(module).__name__}) was made in the scope of {self._container_strategy()!r}: "
+            "torchstrategies does not distribute Keras 3 models under this strategy (Model.fit runs its own "
+            "loop, so the replicas would not train as one model). Keras' fit is supported under "
+            "MirroredStrategy, CentralStorageStrategy and MultiWorkerMirroredStrategy (docs/keras.md); or "
+            "write the training step in PyTorch and run it with strategy.run")
 
     def _create_variable(
         self, initial_value: torch.Tensor, synchronization: VariableSynchronization,

@@ -44,6 +44,7 @@ from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
 from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies import _keras
 from torchstrategies.strategies._mw_input import ReplicaSplitDataset, is_map_style_loader, loader_seed
 from torchstrategies.strategies.one_device import canonical_device
 
@@ -290,6 +291,12 @@ class MirroredExtended(StrategyExtended):
 
     def _on_module_created(self, module: torch.nn.Module) -> None:
         self._replicated.add_module(module)
+
+    def _on_keras_module(self, module: torch.nn.Module) -> None:
+        """A Keras 3 model made in the scope: ``fit`` runs Keras' step once per replica in ``run``
+        (``_keras.py``); its weights are replicated by ``_on_module_created`` like any module's."""
+        if _keras.is_keras_model(module):
+            _keras.attach(self, module, in_process=True)
 
     def _create_variable(
         self, initial_value: torch.Tensor, synchronization: VariableSynchronization,

@@ -65,6 +65,7 @@ from torchstrategies.distribute.values import (
 )
 from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies import _keras
 from torchstrategies.strategies._divergence import DivergenceCheck
 from torchstrategies.strategies._grad_sync import (
     CompressionHook,
@@ -335,6 +336,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         buffers = [b for b in module.buffers() if b not in self._synced]
         self._modules.append(weakref.ref(module))
         self._adopt(params, buffers)
+
+    def _on_keras_module(self, module: torch.nn.Module) -> None:
+        """A Keras 3 model made in the scope trains with ``fit`` as one model over the workers
+        (``_keras.py``); its weights are adopted by ``_on_module_created`` like any module's."""
+        if _keras.is_keras_model(module):
+            _keras.attach(self, module, in_process=False)
 
     def _on_optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer made in the scope over parameters made outside it (a model built before the

@@ -1,0 +1,147 @@
+"""Issue 37: Keras 3 (torch backend) ``fit`` / ``evaluate`` / ``predict`` under the strategies, as under
+tf.distribute. ``batch_size`` is global, every worker passes the same arrays, the strategy splits each
+global batch; weights, ``history`` and ``evaluate()`` equal one process on the same global batches
+(float32, 1e-5). Workloads: tests/_keras_bodies.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.harness import run_ranks
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+keras = pytest.importorskip(
+    "keras", reason="keras is not installed or does not import (pip install torchstrategies[keras])",
+    exc_type=ImportError)
+if keras.backend.backend() != "torch":
+    pytest.skip(f"keras runs on the {keras.backend.backend()!r} backend, not torch", allow_module_level=True)
+
+import torchstrategies as ts  # noqa: E402
+from tests import _keras_bodies as K  # noqa: E402
+
+TOL = 1e-5
+SHARES = [K.EPOCHS * (4 * 4 + 3), K.EPOCHS * (4 * 4 + 2)]  # rows per replica: 37 in batches of 8, the last 3 + 2
+_reference: dict[str, dict] = {}
+
+
+def reference(kind: str) -> dict:
+    if kind not in _reference:
+        _reference[kind] = K.plain(kind)
+    return _reference[kind]
+
+
+def assert_same(got: dict, want: dict, exact: bool = False) -> None:
+    tol = 0.0 if exact else TOL
+    assert len(got["weights"]) == len(want["weights"])
+    for i, (g, w) in enumerate(zip(got["weights"], want["weights"])):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"weight {i}")
+    assert got["history"].keys() == want["history"].keys()
+    for key in want["history"]:
+        np.testing.assert_allclose(got["history"][key], want["history"][key], rtol=tol, atol=tol, err_msg=key)
+    assert got["evaluate"].keys() == want["evaluate"].keys()
+    for key in want["evaluate"]:
+        np.testing.assert_allclose(got["evaluate"][key], want["evaluate"][key], rtol=tol, atol=tol, err_msg=key)
+    np.testing.assert_allclose(got["predict"], want["predict"], rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["mlp", "subclassed"])  # subclassed: built at its first batch, in fit
+def test_multi_worker_fit_equals_one_process_on_the_global_batches(kind):
+    want = reference(kind)
+    ranks = run_ranks(K.mwms_rank, 2, args=(kind,), timeout=200)
+    for got in ranks:
+        assert_same(got, want)
+    # every worker ran its share of every global batch: 37 rows in batches of 8 (last 5 -> 3 + 2)
+    assert [r["rows"] for r in ranks] == [{0: n} for n in SHARES]
+    assert want["rows"] == {0: K.EPOCHS * K.ROWS}
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        np.testing.assert_array_equal(a, b)  # mirrored: bit-equal on every rank
+
+
+@pytest.mark.timeout(240)
+def test_multi_worker_fit_with_shuffle_uses_the_same_global_batches_on_every_worker():
+    """Keras' default shuffle=True draws the order from torch's random state; the workers' states differ
+    here (seeds 100 and 101) and fit starts every worker from rank 0's, so the job equals one process
+    seeded 100."""
+    want = K.train(K.build("mlp"), shuffle_seed=100)
+    for got in run_ranks(K.mwms_rank, 2, args=("mlp", "arrays", True), timeout=200):
+        assert_same(got, want)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("source", ["loader", "generator"])
+def test_multi_worker_fit_from_a_data_loader_or_a_generator_of_global_batches(source):
+    want = reference("mlp")
+    ranks = run_ranks(K.mwms_rank, 2, args=("mlp", source), timeout=200)
+    for got in ranks:
+        assert_same(got, want)
+    assert [r["rows"] for r in ranks] == [{0: n} for n in SHARES]
+
+
+@pytest.mark.timeout(240)
+def test_multi_worker_fit_with_batch_norm_and_dropout_equals_one_process():
+    """BatchNormalization normalizes with the global batch's statistics and Dropout draws the global
+    batch's mask, so both workers together train as one process; dropout is off at evaluate/predict."""
+    want = reference("bn")
+    for got in run_ranks(K.mwms_rank, 2, args=("bn",), timeout=200):
+        assert_same(got, want)
+
+
+@pytest.mark.timeout(240)
+def test_model_checkpoint_writes_once_on_the_chief(tmp_path):
+    chief, other = run_ranks(K.mwms_checkpoint, 2, args=(str(tmp_path),), timeout=200)
+    assert chief == [str(tmp_path / "model.keras")] * 2
+    assert len(other) == 2 and not any(p.startswith(str(tmp_path)) for p in other), other
+    assert not any(os.path.exists(os.path.dirname(p)) for p in other)  # the scratch directory is removed
+
+
+@pytest.mark.parametrize("rows,workers", [(8, 2), (5, 2), (7, 3), (2, 2)])
+def test_a_global_batch_is_split_evenly_larger_parts_first(rows, workers):
+    from torchstrategies.strategies._keras import split_rows
+
+    parts = [split_rows(rows, workers, r) for r in range(workers)]
+    sizes = [b - a for a, b in parts]
+    assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [a for a, _ in parts[1:]] == [b for _, b in parts[:-1]] and parts[0][0] == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["mlp", "bn", "subclassed"])
+@pytest.mark.parametrize("strategy_name", ["mirrored2", "central_storage2"])
+def test_in_process_replicas_fit_equals_one_process_on_the_global_batches(strategy_name, kind):
+    """Keras' step runs once per replica in strategy.run on the replica's rows (counted per replica), the
+    gradients are summed by backward, the optimizer applies once in a merge_call."""
+    got = K.in_process(strategy_name, kind)
+    assert_same(got, reference(kind))
+    assert got["rows"] == dict(enumerate(SHARES))
+
+
+def test_a_strategy_without_keras_support_refuses_a_keras_model_naming_it_and_what_works():
+    from torchstrategies.distribute.distribute_lib import StrategyExtended
+
+    class Extended:  # a strategy with two replicas that does not override the Keras hook
+        _num_replicas_in_sync = 2
+
+        def _container_strategy(self):
+            return "<SomeStrategy>"
+
+    with pytest.raises(NotImplementedError, match=r"<SomeStrategy>.*MultiWorkerMirroredStrategy \(docs/keras.md\)"):
+        StrategyExtended._on_keras_module(Extended(), K.build("mlp"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+def test_one_device_strategy_keeps_plain_keras_bit_for_bit(kind):
+    strategy = ts.OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = K.build(kind)
+    assert_same(K.train(model), K.plain(kind), exact=True)
+    assert "train_step" not in vars(model)  # nothing attached
+
+
+@pytest.mark.timeout(240)
+def test_jit_compile_under_multi_worker_is_a_clear_error():
+    for message in run_ranks(K.mwms_jit, 2, timeout=200):
+        assert "jit_compile=True is not supported" in message and "jit_compile=False" in message
