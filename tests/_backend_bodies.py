@@ -281,6 +281,11 @@ def _mismatch_pairs(world: int) -> dict:
     def coalesced(g):
         dist.all_reduce_coalesced([torch.ones(4), torch.ones(4)], group=g)
 
+    def gather_two(g):  # one allgather_into_tensor_coalesced call of two pairs
+        with dist._coalescing_manager(group=g):
+            for _ in range(2):
+                dist.all_gather_into_tensor(torch.empty(world * 4), torch.ones(4), group=g)
+
     return {  # name: (the others' call, the odd rank's call)
         "int8 SUM vs MAX": (ar(torch.int8, "SUM"), ar(torch.int8, "MAX")),
         "uint8 BAND vs BOR": (ar(torch.uint8, "BAND"), ar(torch.uint8, "BOR")),
@@ -294,6 +299,7 @@ def _mismatch_pairs(world: int) -> dict:
         "reduce_scatter float32 SUM vs MAX": (rs(torch.float32, "SUM"), rs(torch.float32, "MAX")),
         "broadcast int16 x4 vs int8 x8": (bc(torch.int16, 4), bc(torch.int8, 8)),
         "all_gather int16 x4 vs int8 x8": (ag(torch.int16, 4), ag(torch.int8, 8)),
+        "all_gather two coalesced vs one": (gather_two, ag(torch.float32, 8)),
         "reduce int8 SUM vs MAX": (lambda g: dist.reduce(torch.ones(4, dtype=torch.int8), dst=0, group=g),
                                    lambda g: dist.reduce(torch.ones(4, dtype=torch.int8), dst=0,
                                                          op=dist.ReduceOp.MAX, group=g)),
@@ -328,9 +334,10 @@ def _plan(g) -> str:
     return str(_C.backend_plan(g._get_backend(torch.device("cpu")))[0])
 
 
-def all_gather_into_strided_outputs(rank: int, world: int, impl: str) -> list:
-    """all_gather into non-contiguous output tensors (every other element of a larger tensor) and into a
-    transposed view: the values land where the views point."""
+def collectives_into_strided_outputs(rank: int, world: int, impl: str) -> list:
+    """all_gather into non-contiguous output tensors (transposed views of every other element of a larger
+    tensor), all_gather_into_tensor and reduce_scatter_tensor into every other element: the values land where
+    the views point, and nothing else is written."""
     g = group(impl)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
     bases = [torch.zeros(3, 2, 2) for _ in range(world)]
@@ -341,8 +348,12 @@ def all_gather_into_strided_outputs(rank: int, world: int, impl: str) -> list:
     dist.all_gather_into_tensor(flat, x.reshape(-1), group=g)
     ok = all(torch.equal(o, torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r) for r, o in enumerate(outs))
     ok_flat = torch.equal(flat, torch.cat([torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)]))
-    untouched = all(torch.equal(b[:, :, 1], torch.zeros(3, 2)) for b in bases) and not flat_base[1::2].any()
-    return [ok, ok_flat, untouched]
+    rs_base = torch.zeros(6)
+    dist.reduce_scatter_tensor(rs_base[::2], torch.arange(3 * world, dtype=torch.float32), group=g)
+    ok_rs = rs_base[::2].tolist() == [float(world * (3 * rank + i)) for i in range(3)]
+    untouched = (all(torch.equal(b[:, :, 1], torch.zeros(3, 2)) for b in bases) and not flat_base[1::2].any()
+                 and not rs_base[1::2].any())
+    return [ok, ok_flat, ok_rs, untouched]
 
 
 def profiler_spans(rank: int, world: int, impl: str) -> dict:

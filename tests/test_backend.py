@@ -116,9 +116,9 @@ def test_every_mismatched_dtype_op_and_collective_raises_value_error_on_every_ra
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("impl, world", [("SHM", 2), ("RING", 3)])
-def test_all_gather_writes_into_non_contiguous_outputs(impl, world):
-    for out in run_ranks(B.all_gather_into_strided_outputs, world, args=(impl,), timeout=110):
-        assert out == [True, True, True], out
+def test_all_gather_and_reduce_scatter_write_into_non_contiguous_outputs(impl, world):
+    for out in run_ranks(B.collectives_into_strided_outputs, world, args=(impl,), timeout=110):
+        assert out == [True, True, True, True], out
 
 
 @pytest.mark.timeout(120)

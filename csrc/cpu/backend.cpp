@@ -60,18 +60,6 @@ void check_flat_pair(const char* op, const at::Tensor& input, const at::Tensor& 
               " holds ", whole.numel(), " elements, expected world size ", size, " x ", part.numel());
 }
 
-// A coalesced call as its pairs' calls, one by one in order: the last one's Work completes after the others
-// (FIFO), a barrier's when there are none.
-template <typename Call>
-c10::intrusive_ptr<c10d::Work> one_by_one(Backend& backend, const char* op, std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs, const Call& call) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies ", op, ": ", outputs.size(), " outputs for ",
-              inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = call(outputs[i], inputs[i]);
-  return last ? last : backend.barrier(c10d::BarrierOptions());
-}
-
 // The kernels' dtype of `tensors` if every one is a dense tensor of the same dtype our kernels take.
 std::optional<core::DType> kernel_dtype_of(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
@@ -379,13 +367,30 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  check_flat_pair("allgather", input, output, /*output_is_long=*/true, getSize());
-  const at::Tensor in = work_on(input), out = work_on(output);
-  const core::CallDesc desc = describe_call(core::kAllGather, {input});
-  return submit(OpType::_ALLGATHER_BASE, desc, {output}, opts.timeout, !opts.asyncOp,
-                [this, in, out, output, desc](std::chrono::milliseconds t) {
-                  transport_->all_gather(ptr(in), ptr(out), static_cast<size_t>(nbytes(in)), desc, core_seconds(t));
-                  copy_back({output}, {out});
+  return all_gather_pairs(OpType::_ALLGATHER_BASE, {output}, {input}, opts);
+}
+
+// One call for every pair (a coalesced call is one descriptor: the ranks agree on the whole list at once).
+c10::intrusive_ptr<c10d::Work> Backend::all_gather_pairs(OpType type, const std::vector<at::Tensor>& outputs,
+                                                         const std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies allgather: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  if (inputs.empty()) return barrier(c10d::BarrierOptions());
+  std::vector<at::Tensor> ins, outs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_flat_pair("allgather", inputs[i], outputs[i], /*output_is_long=*/true, getSize());
+    ins.push_back(work_on(inputs[i]));
+    outs.push_back(work_on(outputs[i]));
+  }
+  const core::CallDesc desc = describe_call(core::kAllGather, inputs);
+  return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
+                [this, ins, outs, outputs, desc](std::chrono::milliseconds t) {
+                  for (size_t i = 0; i < ins.size(); ++i) {
+                    transport_->all_gather(ptr(ins[i]), ptr(outs[i]), static_cast<size_t>(nbytes(ins[i])), desc,
+                                           core_seconds(t));
+                  }
+                  copy_back(outputs, outs);
                 });
 }
 
@@ -420,31 +425,54 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::AllgatherOptions& opts) {
-  return one_by_one(*this, "allgather", outputs, inputs,
-                    [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
+  return all_gather_pairs(OpType::COALESCED, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::ReduceScatterOptions& opts) {
-  check_flat_pair("reduce_scatter", input, output, /*output_is_long=*/false, getSize());
+  return reduce_scatter_pairs(OpType::_REDUCE_SCATTER_BASE, {output}, {input}, opts);
+}
+
+// One call for every pair, as all_gather_pairs; a list our kernels do not take goes to gloo pair by pair.
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_pairs(OpType type, const std::vector<at::Tensor>& outputs,
+                                                             const std::vector<at::Tensor>& inputs,
+                                                             const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies reduce_scatter: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  if (inputs.empty()) return barrier(c10d::BarrierOptions());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_flat_pair("reduce_scatter", inputs[i], outputs[i], /*output_is_long=*/false, getSize());
+  }
   const int op = core_op(opts.reduceOp);
-  const auto dtype = kernel_dtype(input.scalar_type());
+  const auto dtype = kernel_dtype_of(inputs);
   const int32_t c10d_op = static_cast<int32_t>(opts.reduceOp.op_);
   if (op < 0 || !dtype) {
-    auto out = output, in = input;
     auto o = opts;
-    return delegate(OpType::_REDUCE_SCATTER_BASE, describe_call(core::kReduceScatterDelegated, {input}, c10d_op),
-                    {output}, opts.timeout, !opts.asyncOp,
-                    [this, out, in, o]() mutable { return gloo_->_reduce_scatter_base(out, in, o); });
+    return delegate(type, describe_call(core::kReduceScatterDelegated, inputs, c10d_op), outputs, opts.timeout,
+                    !opts.asyncOp, [this, outs = outputs, ins = inputs, o]() mutable {
+                      c10::intrusive_ptr<c10d::Work> w;
+                      for (size_t i = 0; i < ins.size(); ++i) {
+                        if (w) w->wait();
+                        w = gloo_->_reduce_scatter_base(outs[i], ins[i], o);
+                      }
+                      return w;
+                    });
   }
-  TORCH_CHECK(op != core::kMean || at::isFloatingType(input.scalar_type()),
-              "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", input.scalar_type());
-  const at::Tensor in = work_on(input), out = work_on(output);
-  const core::CallDesc desc = describe_call(core::kReduceScatter, {input}, c10d_op);
-  return submit(OpType::_REDUCE_SCATTER_BASE, desc, {output}, opts.timeout, !opts.asyncOp,
-                [this, in, out, output, dt = *dtype, op, desc](std::chrono::milliseconds t) {
-                  transport_->reduce_scatter(ptr(in), ptr(out), out.numel(), dt, op, desc, core_seconds(t));
-                  copy_back({output}, {out});
+  TORCH_CHECK(op != core::kMean || at::isFloatingType(inputs[0].scalar_type()),
+              "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", inputs[0].scalar_type());
+  std::vector<at::Tensor> ins, outs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ins.push_back(work_on(inputs[i]));
+    outs.push_back(work_on(outputs[i]));
+  }
+  const core::CallDesc desc = describe_call(core::kReduceScatter, inputs, c10d_op);
+  return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
+                [this, ins, outs, outputs, dt = *dtype, op, desc](std::chrono::milliseconds t) {
+                  for (size_t i = 0; i < ins.size(); ++i) {
+                    transport_->reduce_scatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, desc,
+                                               core_seconds(t));
+                  }
+                  copy_back(outputs, outs);
                 });
 }
 
@@ -467,8 +495,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  return one_by_one(*this, "reduce_scatter", outputs, inputs,
-                    [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
+  return reduce_scatter_pairs(OpType::COALESCED, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {

@@ -140,6 +140,13 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                           std::chrono::milliseconds timeout, bool sync,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op);
+  // all_gather / reduce_scatter of every (output, input) pair as one call with one descriptor.
+  c10::intrusive_ptr<c10d::Work> all_gather_pairs(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_pairs(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                                      const std::vector<at::Tensor>& inputs,
+                                                      const c10d::ReduceScatterOptions& opts);
   void run(Item& item);
   void loop();
 
