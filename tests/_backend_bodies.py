@@ -259,3 +259,149 @@ def group_timeouts(rank: int, world: int) -> dict:
            "new_group": topology.group_timeout(made)}
     dist.destroy_process_group()
     return out
+
+
+def _mismatch_pairs(world: int) -> dict:
+    """Each pair: what the odd rank calls and what the others call, on the group ``g`` (issue 38)."""
+    def ar(dtype, op, n=4):
+        return lambda g: dist.all_reduce(torch.ones(n, dtype=dtype), op=OPS.get(op) or getattr(dist.ReduceOp, op),
+                                         group=g)
+
+    def rs(dtype, op):
+        return lambda g: dist.reduce_scatter_tensor(torch.empty(2, dtype=dtype), torch.ones(2 * world, dtype=dtype),
+                                                    op=getattr(dist.ReduceOp, op), group=g)
+
+    def bc(dtype, n):
+        return lambda g: dist.broadcast(torch.ones(n, dtype=dtype), src=0, group=g)
+
+    def ag(dtype, n):
+        return lambda g: dist.all_gather_into_tensor(torch.empty(world * n, dtype=dtype), torch.ones(n, dtype=dtype),
+                                                     group=g)
+
+    def coalesced(g):
+        dist.all_reduce_coalesced([torch.ones(4), torch.ones(4)], group=g)
+
+    def gather_two(g):  # one allgather_into_tensor_coalesced call of two pairs
+        with dist._coalescing_manager(group=g):
+            for _ in range(2):
+                dist.all_gather_into_tensor(torch.empty(world * 4), torch.ones(4), group=g)
+
+    return {  # name: (the others' call, the odd rank's call)
+        "int8 SUM vs MAX": (ar(torch.int8, "SUM"), ar(torch.int8, "MAX")),
+        "uint8 BAND vs BOR": (ar(torch.uint8, "BAND"), ar(torch.uint8, "BOR")),
+        "int8 vs uint8": (ar(torch.int8, "SUM"), ar(torch.uint8, "SUM")),
+        "bool vs int8": (ar(torch.bool, "MAX"), ar(torch.int8, "MAX")),
+        "int16 x4 vs int8 x8": (ar(torch.int16, "SUM", 4), ar(torch.int8, "SUM", 8)),
+        "float32 SUM vs AVG": (ar(torch.float32, "SUM"), ar(torch.float32, "AVG")),
+        "float32 vs int8": (ar(torch.float32, "SUM"), ar(torch.int8, "SUM")),
+        "list vs single": (coalesced, ar(torch.float32, "SUM", 8)),
+        "reduce_scatter int8 SUM vs MAX": (rs(torch.int8, "SUM"), rs(torch.int8, "MAX")),
+        "reduce_scatter float32 SUM vs MAX": (rs(torch.float32, "SUM"), rs(torch.float32, "MAX")),
+        "broadcast int16 x4 vs int8 x8": (bc(torch.int16, 4), bc(torch.int8, 8)),
+        "all_gather int16 x4 vs int8 x8": (ag(torch.int16, 4), ag(torch.int8, 8)),
+        "all_gather two coalesced vs one": (gather_two, ag(torch.float32, 8)),
+        "reduce int8 SUM vs MAX": (lambda g: dist.reduce(torch.ones(4, dtype=torch.int8), dst=0, group=g),
+                                   lambda g: dist.reduce(torch.ones(4, dtype=torch.int8), dst=0,
+                                                         op=dist.ReduceOp.MAX, group=g)),
+    }
+
+
+def mismatch_pairs(rank: int, world: int, impl: str) -> dict:
+    """Every pair of ``_mismatch_pairs``, with the last rank and then rank 1 as the odd one: what each call
+    raised on this rank ("" if nothing), and whether the next calls (native float32, and int8 through gloo)
+    gave the right sums."""
+    g = group(impl, timeout=30.0)
+    out: dict = {"plan": _plan(g)}
+    for odd in sorted({1, world - 1}):
+        for name, (common, different) in _mismatch_pairs(world).items():
+            try:
+                (different if rank == odd else common)(g)
+                raised = ""
+            except Exception as e:  # noqa: BLE001 - reported
+                raised = f"{type(e).__name__}: {e}"
+            x = torch.full((3,), float(rank + 1))
+            dist.all_reduce(x, group=g)
+            y = torch.full((5,), rank + 1, dtype=torch.int8)
+            dist.all_reduce(y, group=g)
+            total = world * (world + 1) // 2
+            out[f"{name} (odd rank {odd})"] = (raised, x.tolist() == [float(total)] * 3 and y.tolist() == [total] * 5)
+    return out
+
+
+def _plan(g) -> str:
+    from torchstrategies._ext import _C
+
+    return str(_C.backend_plan(g._get_backend(torch.device("cpu")))[0])
+
+
+def collectives_into_strided_outputs(rank: int, world: int, impl: str) -> list:
+    """all_gather into non-contiguous output tensors (transposed views of every other element of a larger
+    tensor), all_gather_into_tensor and reduce_scatter_tensor into every other element: the values land where
+    the views point, and nothing else is written."""
+    g = group(impl)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+    bases = [torch.zeros(3, 2, 2) for _ in range(world)]
+    outs = [b[:, :, 0].t() for b in bases]  # shape (2, 3), strides (2, 4)
+    dist.all_gather(outs, x, group=g)
+    flat_base = torch.zeros(world * 6 * 2)
+    flat = flat_base[::2]
+    dist.all_gather_into_tensor(flat, x.reshape(-1), group=g)
+    ok = all(torch.equal(o, torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r) for r, o in enumerate(outs))
+    ok_flat = torch.equal(flat, torch.cat([torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)]))
+    rs_base = torch.zeros(6)
+    dist.reduce_scatter_tensor(rs_base[::2], torch.arange(3 * world, dtype=torch.float32), group=g)
+    ok_rs = rs_base[::2].tolist() == [float(world * (3 * rank + i)) for i in range(3)]
+    untouched = (all(torch.equal(b[:, :, 1], torch.zeros(3, 2)) for b in bases) and not flat_base[1::2].any()
+                 and not rs_base[1::2].any())
+    return [ok, ok_flat, ok_rs, untouched]
+
+
+def profiler_spans(rank: int, world: int, impl: str) -> dict:
+    """The backend's calls under torch.profiler: every collective is a "torchstrategies:<op>" span with its
+    tensors' sizes, the calls the worker thread runs (async_op=True) too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = group(impl)
+    dist.all_reduce(torch.ones(8), group=g)  # set-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.all_reduce(torch.ones(1024), group=g)
+        dist.all_reduce(torch.ones(4, dtype=torch.int8), group=g)  # handed to gloo
+        w = dist.all_reduce(torch.ones(16, 2), group=g, async_op=True)
+        w.wait()
+        dist.broadcast(torch.ones(7), src=0, group=g)
+        dist.barrier(group=g)
+    spans: dict = {}
+    for e in prof.events():
+        if e.name.startswith("torchstrategies:"):
+            spans.setdefault(e.name, []).append([list(s) for s in e.input_shapes])
+    return spans
+
+
+def set_timeout_while_calls_run(rank: int, world: int) -> list:
+    """``ProcessGroup.set_timeout`` from one thread while another thread's calls read the timeout: the backend
+    reports the last one set, and every call completes."""
+    import threading
+
+    from torchstrategies._ext import _C
+
+    g = group("SHM", timeout=30.0)
+    backend = g._get_backend(torch.device("cpu"))
+    stop = threading.Event()
+
+    def setter() -> None:
+        k = 0
+        while not stop.is_set():
+            g.set_timeout(timedelta(seconds=20 + k % 5))
+            k += 1
+
+    t = threading.Thread(target=setter)
+    t.start()
+    sums = []
+    for _ in range(200):
+        x = torch.ones(3)
+        dist.all_reduce(x, group=g, async_op=True).wait()
+        sums.append(x.tolist() == [float(world)] * 3)
+    stop.set()
+    t.join()
+    g.set_timeout(timedelta(seconds=7))
+    return [all(sums), _C.backend_timeout(backend)]

@@ -84,3 +84,56 @@ def test_a_frozen_rank_0_hosting_the_store_raises_deadline_exceeded_on_the_other
         assert kind == "DistBackendError" and "torchstrategies DeadlineExceededError" in msg, (rank, msg)
         assert "[0]" in msg, (rank, msg)
         assert took < 3 * timeout + 10, (rank, took)
+
+
+_ONE_HOST_EACH = lambda r: {"TORCHSTRATEGIES_HOST_ID": f"host{r}"}  # noqa: E731
+_MISMATCH_JOBS = [  # (implementation, ranks, simulated hosts, the plan it runs)
+    ("AUTO", 2, None, "SHM"),
+    ("AUTO", 3, _HOSTS_2_1, "HIERARCHICAL"),
+    ("RING", 2, None, "RING"),
+    ("RING", 3, None, "RING"),
+    ("HIERARCHICAL", 2, _ONE_HOST_EACH, "HIERARCHICAL"),
+    ("HIERARCHICAL", 3, _HOSTS_2_1, "HIERARCHICAL"),
+]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("impl, world, hosts, plan", _MISMATCH_JOBS)
+def test_every_mismatched_dtype_op_and_collective_raises_value_error_on_every_rank_and_the_next_calls_are_right(
+        impl, world, hosts, plan):
+    # issue 38: dtypes and ops handed to gloo (int8 SUM vs MAX, uint8 BAND vs BOR, int8 vs uint8, bool vs int8,
+    # int16 x4 vs int8 x8), SUM vs AVG on HIERARCHICAL, a list against a single tensor on RING: each used to
+    # return values (or break the group); now every rank raises and the group keeps working
+    res = run_ranks(B.mismatch_pairs, world, args=(impl,), timeout=190, env_per_rank=hosts)
+    for rank, out in enumerate(res):
+        assert out.pop("plan") == plan, (rank, plan)
+        assert len(out) == len(B._mismatch_pairs(world)) * len({1, world - 1})
+        for case, (raised, next_right) in out.items():
+            assert raised.startswith("DistBackendError: torchstrategies ValueError: collective mismatch"), (
+                rank, case, raised)
+            assert next_right, (rank, case, "the next calls gave wrong sums")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl, world", [("SHM", 2), ("RING", 3)])
+def test_all_gather_and_reduce_scatter_write_into_non_contiguous_outputs(impl, world):
+    for out in run_ranks(B.collectives_into_strided_outputs, world, args=(impl,), timeout=110):
+        assert out == [True, True, True, True], out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", ["SHM", "RING"])
+def test_every_backend_call_is_a_profiler_span_with_its_sizes(impl):
+    for spans in run_ranks(B.profiler_spans, 2, args=(impl,), timeout=110):
+        assert [[1024]] in spans.get("torchstrategies:all_reduce", []), spans
+        assert [[4]] in spans["torchstrategies:all_reduce"], spans  # the int8 one, handed to gloo
+        assert [[16, 2]] in spans["torchstrategies:all_reduce"], spans  # run by the worker thread
+        assert [[7]] in spans.get("torchstrategies:broadcast", []), spans
+        assert "torchstrategies:barrier" in spans, spans
+
+
+@pytest.mark.timeout(120)
+def test_set_timeout_from_another_thread_reaches_the_backend_while_calls_run():
+    # issue 38: setTimeout writes the timeout under the backend's lock, which every call reads it under
+    for out in run_ranks(B.set_timeout_while_calls_run, 2, timeout=110):
+        assert out == [True, 7.0], out

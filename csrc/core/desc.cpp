@@ -1,10 +1,22 @@
 // Call descriptors in words (see desc.h).
 #include "core/desc.h"
 
-#include "core/combine.h"
-
 namespace torchstrategies {
 namespace core {
+namespace {
+
+std::string code_text(int32_t code) { return "#" + std::to_string(code); }
+CodeName g_op_name = code_text;
+CodeName g_dtype_name = code_text;
+
+bool has_root(int32_t kind) { return kind == kBroadcast || kind == kGather || kind == kScatter || kind == kReduce; }
+
+}  // namespace
+
+void set_code_names(CodeName op_name, CodeName dtype_name) {
+  g_op_name = op_name ? op_name : code_text;
+  g_dtype_name = dtype_name ? dtype_name : code_text;
+}
 
 const char* kind_name(int32_t kind) {
   switch (kind) {
@@ -13,33 +25,32 @@ const char* kind_name(int32_t kind) {
     case kBroadcast: return "broadcast";
     case kReduceScatter: return "reduce_scatter";
     case kBarrier: return "barrier";
+    case kBuffer: return "buffer";
     case kAllToAll: return "all_to_all";
     case kGather: return "gather";
     case kScatter: return "scatter";
     case kReduce: return "reduce";
     case kAllGatherCoalesced: return "all_gather_coalesced";
     case kAllReduceDelegated: return "all_reduce(gloo)";
+    case kReduceScatterDelegated: return "reduce_scatter(gloo)";
+    case kAllReduceSparse: return "all_reduce(sparse, gloo)";
   }
   return "?";
 }
 
-namespace {
-bool is_reduction(int32_t kind) { return kind == kAllReduce || kind == kReduceScatter; }
-}  // namespace
+bool is_reduction(int32_t kind) {
+  return kind == kAllReduce || kind == kReduceScatter || kind == kReduce || kind == kAllReduceDelegated ||
+         kind == kReduceScatterDelegated || kind == kAllReduceSparse;
+}
 
 std::string describe(const CallDesc& d) {
   std::string s = std::string(kind_name(d.kind)) + "(";
-  if (is_reduction(d.kind)) {
-    s += std::string("op=") + op_name(d.op) + ", dtype=" +
-         (d.dtype >= 0 && d.dtype < 6 ? dtype_name(static_cast<DType>(d.dtype)) : "?") +
-         ", numel=" + std::to_string(d.count);
-    if (d.parts != 1) s += ", tensors=" + std::to_string(d.parts);
-  } else {
-    if (d.kind == kBroadcast || d.kind == kGather || d.kind == kScatter || d.kind == kReduce) {
-      s += "root=" + std::to_string(d.root) + ", ";
-    }
-    s += "bytes=" + std::to_string(d.count);
-  }
+  if (d.kind == kBarrier) return s + ")";
+  if (is_reduction(d.kind)) s += "op=" + g_op_name(d.op) + ", ";
+  if (has_root(d.kind)) s += "root=" + std::to_string(d.root) + ", ";
+  s += "dtype=" + (d.dtype == kMixedDtype ? std::string("mixed") : g_dtype_name(d.dtype)) +
+       ", numel=" + std::to_string(d.count);
+  if (d.parts != 1) s += ", tensors=" + std::to_string(d.parts);
   return s + ")";
 }
 
@@ -49,9 +60,10 @@ std::string differences(const CallDesc& a, const CallDesc& b) {
   if (a.kind != b.kind) add("kind");
   if (a.op != b.op) add("op");
   if (a.dtype != b.dtype) add("dtype");
-  if (a.count != b.count) add(is_reduction(a.kind) ? "numel" : "bytes");
+  if (a.count != b.count) add("numel");
   if (a.root != b.root) add("root");
   if (a.parts != b.parts) add("number of tensors");
+  if (a.parts == b.parts && a.shape != b.shape) add("the tensors' sizes or dtypes");
   return out;
 }
 

@@ -1,5 +1,8 @@
-// Torch-free ring all-reduce over TCP: see ring.h for the protocol.
+// Torch-free ring all-reduce over TCP: see ring.h for the protocol. This file: the connections and each
+// collective's steps; ring_call.cpp runs a call's steps (Comm::run).
 #include "core/ring.h"
+
+#include "core/ring_io.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,8 +19,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <atomic>
-#include <functional>
 #include <thread>
 
 #include <algorithm>
@@ -27,11 +28,8 @@ namespace core {
 namespace ring {
 namespace {
 
-constexpr uint32_t kCallMagic = 0x52494e47;   // "RING"
 constexpr uint32_t kHelloMagic = 0x52484c4f;  // hello from the left neighbour
 constexpr uint32_t kAckMagic = 0x5241434b;
-// Ring calls sending at least this many bytes send from a second thread (see Comm::run).
-constexpr size_t kThreadBytes = 4 << 20;
 
 struct Hello {
   uint32_t magic;
@@ -43,20 +41,6 @@ struct Ack {
   uint32_t magic;
   int32_t rank;
 };
-
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-int ms_left(double deadline) {
-  const double left = deadline - now_s();
-  if (left <= 0) return 0;
-  return left > 3.6e6 ? 3600 * 1000 : static_cast<int>(left * 1000.0) + 1;
-}
-
-std::string err_text(int e) { return std::string(std::strerror(e)); }
 
 void set_nonblocking(int fd) {
   const int fl = fcntl(fd, F_GETFL, 0);
@@ -99,32 +83,6 @@ int io_all(int fd, void* buf, size_t len, bool write, double deadline, int* err)
     if (poll(&pf, 1, ms) == 0 && ms_left(deadline) <= 0) return -1;
   }
   return 0;
-}
-
-// One non-blocking sendmsg of what is left of the call descriptor (from *hdr_done) followed by up to `len`
-// bytes at `data`. Returns the data bytes written (advancing *hdr_done past the descriptor bytes written),
-// kWouldBlock when the socket took nothing, or kSendFailed on a connection error (errno says which).
-constexpr ssize_t kWouldBlock = -1;
-constexpr ssize_t kSendFailed = -2;
-ssize_t send_some(int fd, const Header& h, size_t* hdr_done, const char* data, size_t len) {
-  iovec iov[2];
-  int k = 0;
-  if (*hdr_done < sizeof(Header)) {
-    iov[k++] = {reinterpret_cast<char*>(const_cast<Header*>(&h)) + *hdr_done, sizeof(Header) - *hdr_done};
-  }
-  if (len) iov[k++] = {const_cast<char*>(data), len};
-  if (k == 0) return 0;
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = k;
-  const ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (w <= 0) {
-    return w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? kSendFailed : kWouldBlock;
-  }
-  size_t rest = static_cast<size_t>(w);
-  const size_t hh = std::min(rest, sizeof(Header) - *hdr_done);
-  *hdr_done += hh;
-  return static_cast<ssize_t>(rest - hh);
 }
 
 }  // namespace
@@ -295,20 +253,16 @@ Header Comm::header(const Desc& d, int64_t small_bytes, int64_t chunk_bytes) {
   h.rank = rank_;
   h.group = group_;
   h.seq = seq_++;
-  h.op = d.op;
-  h.dtype = d.dtype;
-  h.count = d.count;
+  h.call = d;
   h.small_bytes = small_bytes;
   h.chunk_bytes = chunk_bytes;
-  h.kind = d.kind;
-  h.root = d.root;
   return h;
 }
 
 void Comm::all_reduce(void* data, int64_t count, DType dtype, int op, int64_t small_bytes, int64_t chunk_bytes,
-                      double timeout_s) {
+                      const Desc& d, double timeout_s) {
   if (op < kSum || op > kProduct) throw std::invalid_argument("ring: bad reduce op code " + std::to_string(op));
-  const Header mine = header({kAllReduce, op, static_cast<int32_t>(dtype), count, 0}, small_bytes, chunk_bytes);
+  const Header mine = header(d, small_bytes, chunk_bytes);
   const size_t es = dtype_size(dtype);
   const int n = world_;
   const double scale = 1.0 / n;
@@ -366,20 +320,24 @@ void Comm::all_gather(const void* in, void* out, size_t nbytes, const Desc& d, d
   run(mine, steps, DType::kFloat32, kSum, 1.0, 0, false, timeout_s);
 }
 
-void Comm::broadcast(void* data, size_t nbytes, const Desc& d, double timeout_s) {
+void Comm::broadcast(void* data, size_t nbytes, int root, const Desc& d, double timeout_s) {
   const Header mine = header(d, 0, 0);
   const int n = world_;
   if (n == 1) return;
   char* p = static_cast<char*>(data);
-  const int dist = ((rank_ - d.root) % n + n) % n;  // position in the chain from the root
+  const int dist = ((rank_ - root) % n + n) % n;  // position in the chain from the root
+  // Once the last rank has all the bytes, every rank has checked its left neighbour's descriptor: its token
+  // then goes round the ring (last -> root -> 1 -> ... -> n-2), so no rank returns before that.
   char token = 1;
   std::vector<Step> steps;
-  if (dist == 0) {  // the root sends, then waits for the last rank's token
+  if (dist == 0) {  // the root sends, waits for the last rank's token and passes it on
     steps.push_back({p, nbytes, nullptr, 0, false, false, false});
     steps.push_back({nullptr, 0, &token, 1, false, false, false});
-  } else if (dist < n - 1) {  // receive and forward as the bytes arrive
+    if (n > 2) steps.push_back({&token, 1, nullptr, 0, false, false, true});
+  } else if (dist < n - 1) {  // receive and forward as the bytes arrive, then the token
     steps.push_back({nullptr, 0, p, nbytes, false, false, false});
-    steps.push_back({p, nbytes, nullptr, 0, false, false, false});
+    steps.push_back({p, nbytes, &token, 1, false, false, false});
+    if (dist < n - 2) steps.push_back({&token, 1, nullptr, 0, false, false, true});
   } else {  // the last rank: receive, then send the token to the root once everything arrived
     steps.push_back({nullptr, 0, p, nbytes, false, false, false});
     steps.push_back({&token, 1, nullptr, 0, false, false, true});
@@ -388,9 +346,9 @@ void Comm::broadcast(void* data, size_t nbytes, const Desc& d, double timeout_s)
 }
 
 void Comm::reduce_scatter(void* work, void* out, int64_t count, DType dtype, int op, int64_t chunk_bytes,
-                          double timeout_s) {
+                          const Desc& d, double timeout_s) {
   if (op < kSum || op > kProduct) throw std::invalid_argument("ring: bad reduce op code " + std::to_string(op));
-  const Header mine = header({kReduceScatter, op, static_cast<int32_t>(dtype), count, 0}, 0, chunk_bytes);
+  const Header mine = header(d, 0, chunk_bytes);
   const int n = world_, r = rank_;
   const size_t es = dtype_size(dtype);
   const size_t bytes = static_cast<size_t>(count) * es;
@@ -410,260 +368,6 @@ void Comm::reduce_scatter(void* work, void* out, int64_t count, DType dtype, int
   const size_t chunk = std::max<size_t>(static_cast<size_t>(std::max<int64_t>(chunk_bytes, 4096)) / es * es, es);
   run(mine, steps, dtype, op, scale, chunk, false, timeout_s);
   if (bytes) std::memcpy(out, base + bytes * r, bytes);
-}
-
-void Comm::run(const Header& mine, std::vector<Step>& steps, DType dtype, int op, double scale,
-               size_t chunk_bytes, bool tiny, double timeout_s) {
-  const int right = (rank_ + 1) % world_;
-  const int left = (rank_ + world_ - 1) % world_;
-  const size_t es = dtype_size(dtype);
-  const size_t S = steps.size();
-  const bool fused = !steps.empty() && steps[0].reduce;
-  if (fused && stage_.size() < chunk_bytes) stage_.resize(chunk_bytes);
-  const size_t cap = fused ? chunk_bytes : 0;
-  Header theirs{};
-  size_t hout = 0, hin = 0;
-  bool hdr_ok = false;
-  size_t ss = 0, soff = 0;            // send: step, offset
-  size_t rs = 0, roff = 0, poff = 0;  // recv: step, bytes received, bytes processed
-  double deadline = now_s() + timeout_s;
-  auto skip = [&] {
-    while (ss < S && soff == steps[ss].send_len) ++ss, soff = 0;
-    while (hdr_ok && rs < S && poff == steps[rs].recv_len) ++rs, roff = 0, poff = 0;
-  };
-  // Large ring calls send from a second thread, so that the copies into the socket run beside the receive
-  // and the reduce (two cores' worth of copying, as a full-duplex link needs); the main thread publishes how
-  // many received bytes it has processed, which is exactly how far the sender may go (a step sends what the
-  // step before received).
-  size_t total = 0;
-  for (const Step& st : steps) total += st.send_len;
-  static const size_t thread_bytes = [] {
-    const char* v = std::getenv("TORCHSTRATEGIES_RING_THREAD_BYTES");
-    return v && *v ? static_cast<size_t>(std::strtoull(v, nullptr, 10)) : kThreadBytes;
-  }();
-  const bool threaded = !tiny && total >= thread_bytes;
-  struct Shared {
-    std::atomic<uint64_t> processed{0};
-    std::atomic<uint32_t> epoch{0};
-    std::atomic<bool> stop{false};
-    std::atomic<bool> failed{false};
-    RingError::Kind kind = RingError::kBroken;
-    std::string msg;
-  } sh;
-  std::thread sender;
-  auto stop_sender = [&] {
-    if (!sender.joinable()) return;
-    sh.stop.store(true);
-    sh.epoch.fetch_add(1);
-    sh.epoch.notify_all();
-    sender.join();
-  };
-  struct Joiner {
-    std::function<void()> f;
-    ~Joiner() { f(); }
-  } joiner{stop_sender};
-  auto die = [&](RingError::Kind kind, int peer, const std::string& msg) {
-    stop_sender();
-    fail(kind, peer, msg);
-  };
-  if (threaded) {
-    hout = sizeof(Header);  // the sender thread writes the descriptor
-    sender = std::thread([&, right] {
-      size_t h = 0, s = 0, off = 0;
-      uint64_t sent = 0;
-      const uint64_t first = steps[0].send_len;
-      double dl = now_s() + timeout_s;
-      auto record = [&](RingError::Kind kind, const std::string& msg) {
-        sh.kind = kind;
-        sh.msg = msg;
-        sh.failed.store(true);
-      };
-      for (;;) {
-        while (s < S && off == steps[s].send_len) ++s, off = 0;
-        if ((h == sizeof(Header) && s >= S) || sh.stop.load()) return;
-        const uint32_t ep = sh.epoch.load(std::memory_order_acquire);
-        const uint64_t limit = first + sh.processed.load(std::memory_order_acquire);
-        const size_t avail = s < S ? static_cast<size_t>(std::min<uint64_t>(steps[s].send_len - off,
-                                                                            limit > sent ? limit - sent : 0))
-                                   : 0;
-        if (h == sizeof(Header) && avail == 0) {
-          sh.epoch.wait(ep);
-          dl = now_s() + timeout_s;
-          continue;
-        }
-        const ssize_t w = send_some(send_fd_, mine, &h, avail ? steps[s].send + off : nullptr, avail);
-        if (w >= 0) {
-          off += static_cast<size_t>(w);
-          sent += static_cast<uint64_t>(w);
-          dl = now_s() + timeout_s;
-          continue;
-        }
-        if (w == kSendFailed) return record(RingError::kPeerDead, "sending to it failed (" + err_text(errno) + ")");
-        pollfd pf{send_fd_, static_cast<short>(POLLOUT | POLLIN), 0};
-        const int ms = ms_left(dl);
-        if (ms <= 0) return record(RingError::kTimeout, "it did not take data within the timeout");
-        poll(&pf, 1, std::min(ms, 50));
-        if (pf.revents & (POLLIN | POLLHUP | POLLERR)) {
-          char b;
-          const ssize_t g = ::recv(send_fd_, &b, 1, MSG_DONTWAIT);
-          if (g == 0) return record(RingError::kPeerDead, "it closed the connection");
-          if (g < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            return record(RingError::kPeerDead, "its connection failed (" + err_text(errno) + ")");
-          }
-          if (g > 0) return record(RingError::kBroken, "protocol error: unexpected bytes from it");
-        }
-      }
-    });
-  }
-  auto published = [&](size_t nbytes) {
-    if (!threaded) return;
-    sh.processed.fetch_add(nbytes, std::memory_order_release);
-    sh.epoch.fetch_add(1, std::memory_order_release);
-    sh.epoch.notify_one();
-  };
-  auto sendable = [&]() -> size_t {
-    if (threaded || ss >= S) return 0;
-    const Step& st = steps[ss];
-    size_t lim = st.send_len;
-    if (ss > 0 && rs <= ss - 1) lim = (rs == ss - 1 && !st.after_prev) ? std::min(lim, poff) : 0;
-    return lim - soff;
-  };
-  for (;;) {
-    skip();
-    const bool send_done = threaded || (hout == sizeof(Header) && ss >= S);
-    const bool recv_done = hdr_ok && rs >= S;
-    if (threaded && sh.failed.load()) {
-      stop_sender();
-      fail(sh.kind, right, sh.msg);
-    }
-    if (send_done && recv_done) {
-      if (threaded) {
-        sender.join();  // it ends once everything is written, or records a failure (bounded by the timeout)
-        if (sh.failed.load()) fail(sh.kind, right, sh.msg);
-      }
-      return;
-    }
-    bool moved = false;
-    size_t avail = 0;
-    if (!send_done) {
-      avail = sendable();
-      if (hout < sizeof(Header) || avail) {
-        const ssize_t w = send_some(send_fd_, mine, &hout, avail ? steps[ss].send + soff : nullptr, avail);
-        if (w >= 0) {
-          moved = true;
-          soff += static_cast<size_t>(w);
-        } else if (w == kSendFailed) {
-          die(RingError::kPeerDead, right, "sending to it failed (" + err_text(errno) + ")");
-        }
-      }
-    }
-    if (!recv_done) {
-      iovec iov[2];
-      int k = 0;
-      if (hin < sizeof(Header)) iov[k++] = {reinterpret_cast<char*>(&theirs) + hin, sizeof(Header) - hin};
-      char* target = nullptr;
-      size_t room = 0;
-      if (rs < S) {
-        const Step& st = steps[rs];
-        if (st.reduce) {
-          target = stage_.data() + (roff - poff);
-          room = std::min(cap - (roff - poff), st.recv_len - roff);
-        } else if (hdr_ok || tiny) {
-          // Before the descriptor is checked, bytes only go to private memory (staging, gather buffer).
-          target = st.recv + roff;
-          room = st.recv_len - roff;
-        }
-      }
-      if (room) iov[k++] = {target, room};
-      if (k) {
-        msghdr mh{};
-        mh.msg_iov = iov;
-        mh.msg_iovlen = k;
-        const ssize_t got = ::recvmsg(recv_fd_, &mh, MSG_DONTWAIT);
-        if (got == 0) die(RingError::kPeerDead, left, "it closed the connection");
-        if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          die(RingError::kPeerDead, left, "receiving from it failed (" + err_text(errno) + ")");
-        }
-        if (got > 0) {
-          moved = true;
-          size_t g = static_cast<size_t>(got);
-          if (hin < sizeof(Header)) {
-            const size_t h = std::min(g, sizeof(Header) - hin);
-            hin += h;
-            g -= h;
-          }
-          roff += g;
-          if (!steps[rs].reduce) {
-            poff = roff;
-            published(g);
-          }
-          if (!hdr_ok && hin == sizeof(Header)) {
-            if (theirs.magic != kCallMagic || theirs.group != mine.group || theirs.rank != left) {
-              die(RingError::kBroken, left, "protocol error: unexpected bytes instead of a call descriptor");
-            }
-            if (theirs.seq != mine.seq || theirs.op != mine.op || theirs.dtype != mine.dtype ||
-                theirs.count != mine.count || theirs.small_bytes != mine.small_bytes ||
-                theirs.chunk_bytes != mine.chunk_bytes || theirs.kind != mine.kind || theirs.root != mine.root) {
-              broken_ = true;  // the caller publishes the mismatch, then closes (the peers see EOF after it)
-              RingError e(RingError::kMismatch, left, "collective mismatch");
-              e.mine = mine;
-              e.theirs = theirs;
-              throw e;
-            }
-            hdr_ok = true;
-          }
-        }
-      }
-    }
-    if (hdr_ok && rs < S && steps[rs].reduce && roff > poff) {
-      const size_t fill = roff - poff;
-      const size_t nb = fill / es * es;
-      if (nb) {
-        Step& st = steps[rs];
-        char* out = st.recv + poff;
-        const void* xs[2] = {out, stage_.data()};
-        combine(op, dtype, out, xs, 2, static_cast<int64_t>(nb / es), st.scale_last && op == kMean, scale);
-        poff += nb;
-        published(nb);
-        if (fill > nb) std::memmove(stage_.data(), stage_.data() + nb, fill - nb);
-        moved = true;
-      }
-    }
-    if (moved) {
-      deadline = now_s() + timeout_s;
-      continue;
-    }
-    // Nothing moved: wait for the sockets (bounded), watching the right neighbour for a hang-up too while
-    // this call still has bytes for it. Once everything is sent, a hang-up there is not this call's failure:
-    // the right neighbour may have finished this call and closed the ring over a later call's mismatch (the
-    // next call here sees the closed connection), and the bytes from the left are all this call still needs.
-    skip();
-    const bool want_out = (hout < sizeof(Header)) || sendable() > 0;
-    const bool recv_pending = !(hdr_ok && rs >= S);
-    const bool watch_right = !threaded && !(hout == sizeof(Header) && ss >= S);
-    pollfd pf[2] = {{watch_right ? send_fd_ : -1, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
-                    {recv_fd_, static_cast<short>(recv_pending ? POLLIN : 0), 0}};
-    const int ms = ms_left(deadline);
-    // With a sender thread, wake every 50 ms to see whether it failed.
-    const int pr = ms > 0 ? poll(pf, 2, threaded ? std::min(ms, 50) : ms) : 0;
-    if (threaded && pr == 0 && ms_left(deadline) > 0) continue;
-    if (pr == 0) {
-      if (threaded) stop_sender();
-      const int peer = recv_pending ? left : right;
-      fail(RingError::kTimeout, peer,
-           recv_pending ? "no data arrived from it within the timeout"
-                        : "it did not take data within the timeout");
-    }
-    if (pf[0].revents & (POLLIN | POLLHUP | POLLERR)) {
-      char b;
-      const ssize_t g = ::recv(send_fd_, &b, 1, MSG_DONTWAIT);
-      if (g == 0) die(RingError::kPeerDead, right, "it closed the connection");
-      if (g < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(RingError::kPeerDead, right, "its connection failed (" + err_text(errno) + ")");
-      }
-      if (g > 0) fail(RingError::kBroken, right, "protocol error: unexpected bytes from it");
-    }
-  }
 }
 
 }  // namespace ring

@@ -7,19 +7,21 @@
 // connects to its right neighbour and accepts from its left. The connecting side's hello carries its rank,
 // the group id and the acceptor's nonce (read from the store), so a stray connection is refused.
 //
-// A call is one stream per direction: a 64-byte call descriptor (sequence number, op, dtype, count and the
-// settings that must agree), then the data of every step back to back. The descriptor rides in the first
+// A call is one stream per direction: a 72-byte call descriptor (sequence number, the caller's descriptor of
+// the call - core/desc.h - and the settings that must agree), then the data of every step back to back. The descriptor rides in the first
 // write with the first step's data, so a mismatched call is seen without a separate round. Small messages
 // (at most `small_bytes`) are all-gathered whole and reduced in rank order on every rank (for 2 ranks: one
 // exchange); larger ones take the ring: n-1 reduce-scatter steps (received bytes go to a small staging
 // buffer and are combined into the output by the core/reduce kernels as they arrive) then n-1 all-gather
 // steps (received straight into the output). Sends are streamed: a step's bytes are sent as soon as the
 // previous step has reduced them, so sending overlaps receiving and reducing (non-blocking sockets, poll).
+// A collective here only lays out its steps; ring_call.cpp's Comm::Call runs them, the same for every one.
 //
 // Besides the all-reduce, the same engine runs the all-gather (n-1 steps forwarding blocks), the
 // reduce-scatter (the all-reduce's first half, ending on the rank's own block), the broadcast (a pipelined
-// chain from the root, closed by a one-byte token from the last rank back to the root, so the root too
-// returns only once every rank has checked its left neighbour's descriptor) and the barrier (an all-gather
+// chain from the root, closed by a one-byte token that the last rank sends round the ring once it has every
+// byte - to the root, then down the chain to the last-but-one - so no rank returns before every rank has
+// checked its left neighbour's descriptor) and the barrier (an all-gather
 // of one byte). The descriptor carries the collective's kind and root, so two ranks calling different
 // collectives are caught like two ranks reducing different sizes. A call that returns has received bytes
 // that passed through every other rank after each checked its left neighbour's descriptor, so all agreed.
@@ -41,21 +43,17 @@ namespace torchstrategies {
 namespace core {
 namespace ring {
 
-// The call descriptor: the first 64 bytes of every call's stream.
+// The call descriptor: the first 72 bytes of every call's stream.
 struct Header {
   uint32_t magic;
   int32_t rank;  // the sender's group rank
   uint64_t group;
   uint64_t seq;
-  int32_t op;     // core::Op for reductions, else a tag the caller chooses (compared like the rest)
-  int32_t dtype;  // core::DType for reductions, else a tag the caller chooses (e.g. the torch dtype)
-  int64_t count;  // elements for reductions, else bytes per rank
+  CallDesc call;  // the caller's descriptor of the call (kind, op, dtype, root, count, tensors)
   int64_t small_bytes;
   int64_t chunk_bytes;
-  int32_t kind;  // core::CallKind
-  int32_t root;  // the broadcast's root (group rank), else 0
 };
-static_assert(sizeof(Header) == 64, "Header must be 64 bytes");
+static_assert(sizeof(Header) == 72, "Header must be 72 bytes");
 
 class RingError : public std::runtime_error {
  public:
@@ -73,8 +71,6 @@ struct Options {
 };
 
 using Desc = CallDesc;
-// The caller's view of a call descriptor.
-inline CallDesc desc_of(const Header& h) { return {h.kind, h.op, h.dtype, h.count, h.root}; }
 
 class Comm {
  public:
@@ -90,17 +86,18 @@ class Comm {
   void establish(const std::string& right_host, int right_port, uint64_t right_nonce, uint64_t my_nonce,
                  double timeout_s);
 
+  // Every call takes the caller's descriptor `d`, which the ranks agree on in the call's first bytes.
   // In-place all-reduce of `count` elements of `dtype` at `data`.
   void all_reduce(void* data, int64_t count, DType dtype, int op, int64_t small_bytes, int64_t chunk_bytes,
-                  double timeout_s);
+                  const Desc& d, double timeout_s);
   // out[r * nbytes, (r+1) * nbytes) = rank r's `in` (nbytes each; `in` may be this rank's block of `out`).
   // `d.kind` says what for (kAllGather, kBarrier, or a kind handed to gloo, whose descriptor this agrees on).
   void all_gather(const void* in, void* out, size_t nbytes, const Desc& d, double timeout_s);
-  // Copies `root`'s nbytes at `data` into every rank's `data` (d.kind = kBroadcast, d.root = root).
-  void broadcast(void* data, size_t nbytes, const Desc& d, double timeout_s);
+  // Copies ring rank `root`'s nbytes at `data` into every rank's `data`.
+  void broadcast(void* data, size_t nbytes, int root, const Desc& d, double timeout_s);
   // out = op over ranks of block r of `work` (world blocks of `count` elements; `work` is overwritten).
   void reduce_scatter(void* work, void* out, int64_t count, DType dtype, int op, int64_t chunk_bytes,
-                      double timeout_s);
+                      const Desc& d, double timeout_s);
   void close();
 
   int rank() const { return rank_; }
@@ -118,7 +115,10 @@ class Comm {
     bool scale_last;  // apply MEAN's scale in this step's combine
     bool after_prev;  // send only once the previous step has received everything
   };
+  class Call;  // one call in progress (ring_call.cpp)
   Header header(const Desc& d, int64_t small_bytes, int64_t chunk_bytes);
+  // Sends and receives every step of a call (`chunk_bytes`: the staging buffer of a reducing call; `tiny`: the
+  // receive may go straight into place before the descriptor is checked, as it is private memory).
   void run(const Header& mine, std::vector<Step>& steps, DType dtype, int op, double scale,
            size_t chunk_bytes, bool tiny, double timeout_s);
   [[noreturn]] void fail(RingError::Kind kind, int peer, const std::string& msg);

@@ -384,6 +384,7 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
   me.desc[par][0] = d0;
   me.desc[par][1] = d1;
   me.desc[par][2] = d2;
+  me.call[par] = call_;
   me.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   me.arrive.store(target, std::memory_order_release);
   if (world_ == 1) return;
@@ -391,16 +392,19 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
   wait_all(target, timeout_s, what);
   for (int j = 0; j < world_; ++j) {
     const uint64_t* d = hdr_->ranks[j].desc[par];
-    if (d[0] != d0 || d[1] != d1 || d[2] != d2) {
+    const CallDesc& c = hdr_->ranks[j].call[par];
+    if (d[0] != d0 || d[1] != d1 || d[2] != d2 || c != call_) {
       std::ostringstream s;
-      s << what << ": mismatched calls across ranks: rank " << rank_ << " called {code " << std::hex << d0
-        << std::dec << ", count " << d1 << ", extra " << d2 << "} but rank " << j << " called {code "
-        << std::hex << d[0] << std::dec << ", count " << d[1] << ", extra " << d[2]
+      s << what << ": mismatched calls across ranks: rank " << rank_ << " called " << describe(call_) << " {code "
+        << std::hex << d0 << std::dec << ", count " << d1 << ", extra " << d2 << "} but rank " << j << " called "
+        << describe(c) << " {code " << std::hex << d[0] << std::dec << ", count " << d[1] << ", extra " << d[2]
         << "} (code = kind<<32 | op<<16 | dtype; count = elements or bytes)";
       round_ = seq_;  // every rank raises at this barrier: realign the slot parity and stay usable
       CommError e(CommError::kMismatch, s.str(), {j});
       std::memcpy(e.mine, me.desc[par], sizeof e.mine);
       std::memcpy(e.theirs, d, sizeof e.theirs);
+      e.mine_call = call_;
+      e.theirs_call = c;
       e.other = j;
       throw e;
     }
@@ -410,11 +414,6 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
 void Comm::barrier(double timeout_s) {
   check_usable();
   sync(0xBA, 0, 0, timeout_s, "barrier");
-}
-
-void Comm::check(uint64_t code, uint64_t d1, uint64_t d2, double timeout_s, const char* what) {
-  check_usable();
-  sync((7ULL << 32) | (code & 0xFFFFFFFFULL), d1, d2, timeout_s, what);
 }
 
 void Comm::reduce_scatter(const char* in, char* out, int64_t count, const Reducer& r, double timeout_s) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/combine.h"
+#include "core/desc.h"
 
 namespace torchstrategies {
 namespace core {
@@ -39,9 +40,10 @@ struct alignas(64) RankCtl {
   std::atomic<uint64_t> arrive;  // number of barriers this rank has entered
   std::atomic<int32_t> pid;      // 0 until the rank has mapped the segment
   std::atomic<int32_t> cpu;      // the CPU this rank last arrived on (a hint for the wait policy)
-  uint64_t desc[2][3];  // call descriptor per barrier parity: {kind|op|dtype, count, extra}
+  uint64_t desc[2][3];  // barrier descriptor per barrier parity: {kind|op|dtype, count, extra}
+  CallDesc call[2];     // the caller's call descriptor per barrier parity (Comm::set_call)
 };
-static_assert(sizeof(RankCtl) == 64, "RankCtl must be one cache line");
+static_assert(sizeof(RankCtl) == 128, "RankCtl must be two cache lines");
 
 struct Header {
   uint64_t magic;
@@ -94,6 +96,8 @@ class CommError : public std::runtime_error {
   // kMismatch: this rank's barrier descriptor {code, count, extra} and that of rank `other`, which differs.
   uint64_t mine[3] = {0, 0, 0};
   uint64_t theirs[3] = {0, 0, 0};
+  CallDesc mine_call{};
+  CallDesc theirs_call{};
   int other = -1;
 };
 
@@ -140,6 +144,9 @@ class Comm {
   // Marks the group failed (e.g. a later stage of a hierarchical collective failed): every rank waiting in
   // or entering a collective of this group raises kAborted with `cause` at once.
   void abort(CommError::Kind cause);
+  // The caller's descriptor of the call the next barriers belong to: compared, whole, at every barrier (so the
+  // first barrier of a call catches any difference), besides the protocol's own barrier descriptor.
+  void set_call(const CallDesc& d) { call_ = d; }
 
   void all_reduce(char* data, int64_t count, const Reducer& r, double timeout_s);
   // All-reduces several buffers of one dtype in place, as if they were one concatenated buffer (no packing:
@@ -150,9 +157,6 @@ class Comm {
   // out = r's block of `in` (world blocks of `count` elements) reduced over the ranks; `in` is not written.
   void reduce_scatter(const char* in, char* out, int64_t count, const Reducer& r, double timeout_s);
   void barrier(double timeout_s);
-  // A barrier that also compares a caller's descriptor {code, d1, d2} across the ranks (kind 7 in the top
-  // bits of code): raises kMismatch on every rank if any differs.
-  void check(uint64_t code, uint64_t d1, uint64_t d2, double timeout_s, const char* what);
 
   // Collective: a segment holding `bytes_per_rank` for every rank; returns this rank's part.
   char* alloc_buffer(size_t bytes_per_rank, double timeout_s, std::shared_ptr<Segment>* keep);
@@ -191,6 +195,7 @@ class Comm {
   size_t slot_bytes_;
   uint64_t seq_ = 0;    // barriers entered
   uint64_t round_ = 0;  // staging rounds (slot parity)
+  CallDesc call_{};
   bool broken_ = false;
   std::vector<Buffer> buffers_;
 };

@@ -14,14 +14,6 @@ struct Status {
   char msg[1020];
 };
 
-// Descriptor words of Comm::check for a call (see shm_desc in transport_setup.cpp).
-void check_words(const CallDesc& d, uint64_t* code, uint64_t* d1, uint64_t* d2) {
-  *code = static_cast<uint32_t>(d.kind);
-  *d1 = static_cast<uint64_t>(d.count);
-  *d2 = (static_cast<uint64_t>(d.op & 0xFFFF) << 48) | (static_cast<uint64_t>(d.dtype & 0xFFFF) << 32) |
-        static_cast<uint32_t>(d.root);
-}
-
 }  // namespace
 
 template <typename F>
@@ -70,8 +62,9 @@ void Transport::two_level(const char* what, double timeout_s, L&& local_first, R
   }
 }
 
-void Transport::all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, int op, double timeout_s) {
-  ensure_usable();
+void Transport::all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, int op, const CallDesc& d,
+                           double timeout_s) {
+  begin(d);
   const size_t es = dtype_size(dtype);
   int64_t count = 0;
   for (const auto& p : pieces) count += p.count;
@@ -106,7 +99,7 @@ void Transport::all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, i
   }
   if (plan_ == Plan::kRing) {
     ring_stage("all_reduce", timeout_s, [&](ring::Comm& c) {
-      c.all_reduce(data, count, dtype, op, cfg_.ring_small_bytes, cfg_.ring_chunk_bytes, timeout_s);
+      c.all_reduce(data, count, dtype, op, cfg_.ring_small_bytes, cfg_.ring_chunk_bytes, d, timeout_s);
     });
   } else {
     // Inside the host, between the leaders, back inside the host; MEAN is a SUM scaled at the end.
@@ -115,7 +108,7 @@ void Transport::all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, i
     two_level(
         "all_reduce", timeout_s, [&] { local_->all_reduce(data, count, r, timeout_s); },
         [&](ring::Comm& c) {
-          c.all_reduce(data, count, dtype, op1, cfg_.ring_small_bytes, cfg_.ring_chunk_bytes, timeout_s);
+          c.all_reduce(data, count, dtype, op1, cfg_.ring_small_bytes, cfg_.ring_chunk_bytes, d, timeout_s);
         });
     if (local_) {
       local_stage("all_reduce", timeout_s,
@@ -135,40 +128,35 @@ void Transport::all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, i
   }
 }
 
-void Transport::broadcast(char* data, size_t nbytes, int root, int32_t tag, double timeout_s) {
-  ensure_usable();
-  const CallDesc d{kBroadcast, 0, tag, static_cast<int64_t>(nbytes), root};
+void Transport::broadcast(char* data, size_t nbytes, int root, const CallDesc& d, double timeout_s) {
+  begin(d);
   if (plan_ == Plan::kShm) {
     if (local_) local_stage("broadcast", timeout_s, [&] { local_->broadcast(data, nbytes, root, timeout_s); });
     return;
   }
   if (plan_ == Plan::kRing) {
-    ring_stage("broadcast", timeout_s, [&](ring::Comm& c) { c.broadcast(data, nbytes, d, timeout_s); });
+    ring_stage("broadcast", timeout_s, [&](ring::Comm& c) { c.broadcast(data, nbytes, root, d, timeout_s); });
     return;
   }
   const int root_host = host_of_[root];
   const auto& rh = host_ranks_[root_host];
   const int root_local = static_cast<int>(std::find(rh.begin(), rh.end(), root) - rh.begin());
-  uint64_t w[3];
-  check_words(d, &w[0], &w[1], &w[2]);
-  CallDesc between = d;
-  between.root = root_host;  // the ring of leaders is in host order
   two_level(
       "broadcast", timeout_s,
       [&] {
-        local_->check(w[0], w[1], w[2], timeout_s, "broadcast");
+        local_->barrier(timeout_s);  // compares the descriptor in the host
         if (host_ == root_host) local_->broadcast(data, nbytes, root_local, timeout_s);  // to the leader
       },
-      [&](ring::Comm& c) { c.broadcast(data, nbytes, between, timeout_s); });
+      // the ring of leaders is in host order
+      [&](ring::Comm& c) { c.broadcast(data, nbytes, root_host, d, timeout_s); });
   if (local_ && host_ != root_host) {
     local_stage("broadcast", timeout_s, [&] { local_->broadcast(data, nbytes, 0, timeout_s); });
   }
 }
 
-void Transport::all_gather(const char* in, char* out, size_t nbytes, int32_t tag, double timeout_s) {
-  ensure_usable();
+void Transport::all_gather(const char* in, char* out, size_t nbytes, const CallDesc& d, double timeout_s) {
+  begin(d);
   const int n = cfg_.size;
-  const CallDesc d{kAllGather, 0, tag, static_cast<int64_t>(nbytes), 0};
   if (plan_ == Plan::kShm) {
     if (!local_) {
       if (nbytes && out != in) std::memmove(out, in, nbytes);
@@ -187,12 +175,10 @@ void Transport::all_gather(const char* in, char* out, size_t nbytes, int32_t tag
   const size_t block = most * nbytes, nh = host_ranks_.size();
   scratch_.assign(block * nh, 0);
   char* mine = scratch_.data() + block * static_cast<size_t>(host_);
-  CallDesc between = d;
-  between.count = static_cast<int64_t>(block);
   if (!local_ && nbytes) std::memcpy(mine, in, nbytes);  // a leader alone on its host: its own block
   two_level(
       "all_gather", timeout_s, [&] { local_->all_gather(in, nbytes, mine, timeout_s); },
-      [&](ring::Comm& c) { c.all_gather(mine, scratch_.data(), block, between, timeout_s); });
+      [&](ring::Comm& c) { c.all_gather(mine, scratch_.data(), block, d, timeout_s); });
   if (local_) {
     local_stage("all_gather", timeout_s, [&] { local_->broadcast(scratch_.data(), block * nh, 0, timeout_s); });
   }
@@ -203,8 +189,9 @@ void Transport::all_gather(const char* in, char* out, size_t nbytes, int32_t tag
   }
 }
 
-void Transport::reduce_scatter(const char* in, char* out, int64_t count, DType dtype, int op, double timeout_s) {
-  ensure_usable();
+void Transport::reduce_scatter(const char* in, char* out, int64_t count, DType dtype, int op, const CallDesc& d,
+                               double timeout_s) {
+  begin(d);
   const size_t es = dtype_size(dtype), bytes = static_cast<size_t>(count) * es;
   const int n = cfg_.size;
   if (plan_ == Plan::kShm) {
@@ -221,36 +208,42 @@ void Transport::reduce_scatter(const char* in, char* out, int64_t count, DType d
   if (bytes) std::memcpy(scratch2_.data(), in, bytes * n);
   if (plan_ == Plan::kRing) {
     ring_stage("reduce_scatter", timeout_s, [&](ring::Comm& c) {
-      c.reduce_scatter(scratch2_.data(), out, count, dtype, op, cfg_.ring_chunk_bytes, timeout_s);
+      c.reduce_scatter(scratch2_.data(), out, count, dtype, op, cfg_.ring_chunk_bytes, d, timeout_s);
     });
     return;
   }
   // Hierarchical: the whole input all-reduced, then this rank's block (simple; moves n times the output).
-  all_reduce({shm::Piece{scratch2_.data(), count * n}}, dtype, op, timeout_s);
+  all_reduce({shm::Piece{scratch2_.data(), count * n}}, dtype, op, d, timeout_s);
   if (bytes) std::memcpy(out, scratch2_.data() + bytes * cfg_.rank, bytes);
 }
 
-void Transport::barrier(double timeout_s) { check(CallDesc{kBarrier, 0, 0, 0, 0}, timeout_s); }
+void Transport::barrier(double timeout_s) {
+  CallDesc d;
+  d.kind = kBarrier;
+  check(d, timeout_s);
+}
 
 void Transport::check(const CallDesc& d, double timeout_s) {
-  ensure_usable();
+  begin(d);
   const char* what = kind_name(d.kind);
-  uint64_t w[3];
-  check_words(d, &w[0], &w[1], &w[2]);
   char token = 0;
   std::vector<char> all(ring_members_.size());
   auto between = [&](ring::Comm& c) { c.all_gather(&token, all.data(), 1, d, timeout_s); };
+  auto in_host = [&] { local_->barrier(timeout_s); };  // compares the descriptor (begin gave it)
   if (plan_ == Plan::kShm) {
-    if (local_) local_stage(what, timeout_s, [&] { local_->check(w[0], w[1], w[2], timeout_s, what); });
+    if (local_) local_stage(what, timeout_s, in_host);
   } else if (plan_ == Plan::kRing) {
     ring_stage(what, timeout_s, between);
   } else {
-    two_level(what, timeout_s, [&] { local_->check(w[0], w[1], w[2], timeout_s, what); }, between);
+    two_level(what, timeout_s, in_host, between);
   }
 }
 
 char* Transport::alloc_buffer(size_t bytes_per_rank, double timeout_s, std::shared_ptr<shm::Segment>* keep) {
-  ensure_usable();
+  CallDesc d;
+  d.kind = kBuffer;
+  d.count = static_cast<int64_t>(bytes_per_rank);
+  begin(d);
   if (!local_ || plan_ == Plan::kRing) return nullptr;
   char* p = nullptr;
   local_stage("buffer", timeout_s, [&] { p = local_->alloc_buffer(bytes_per_rank, timeout_s, keep); });

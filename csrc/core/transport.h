@@ -10,8 +10,9 @@
 // Set-up goes through the rendezvous store (KeyValue): every rank publishes one row (host identity, pid,
 // machine, the settings that must agree); rows that disagree on a setting raise on every rank, naming it.
 //
-// Every call's descriptor is compared across the ranks before its data is used (shm: at every barrier; ring:
-// in the first bytes of every call), so ranks making different calls raise kMismatch on every rank. In the
+// Every call's descriptor (the caller's, desc.h: kind, op, dtype, root, element count, list shape) is compared
+// whole across the ranks before its data is used (shm: at every barrier; ring: in the first bytes of every
+// call), so ranks making different calls raise kMismatch on every rank. In the
 // hierarchical plan every call starts with a stage inside the host (which compares the descriptors there) and
 // ends with the leader telling its host how the stage between hosts went (a small status record through shared
 // memory), so a mismatch or a fault anywhere reaches every rank as the same error. After a mismatch the
@@ -98,14 +99,17 @@ class Transport {
   const Config& config() const { return cfg_; }
   int num_hosts() const { return static_cast<int>(host_ranks_.size()); }
 
+  // Every collective takes the caller's descriptor `d` of the call (desc.h), which the ranks agree on before
+  // the data is used, on every plan: a difference raises Fault::kMismatch on every rank.
   // In place over the concatenation of `pieces` (one dtype); MEAN scales by 1 / world.
-  void all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, int op, double timeout_s);
-  // Group rank `root`'s nbytes at `data` into every rank's `data`; `tag` (e.g. the dtype) is compared too.
-  void broadcast(char* data, size_t nbytes, int root, int32_t tag, double timeout_s);
+  void all_reduce(const std::vector<shm::Piece>& pieces, DType dtype, int op, const CallDesc& d, double timeout_s);
+  // Group rank `root`'s nbytes at `data` into every rank's `data`.
+  void broadcast(char* data, size_t nbytes, int root, const CallDesc& d, double timeout_s);
   // out[g * nbytes ...] = group rank g's `in`.
-  void all_gather(const char* in, char* out, size_t nbytes, int32_t tag, double timeout_s);
+  void all_gather(const char* in, char* out, size_t nbytes, const CallDesc& d, double timeout_s);
   // out = block `rank` (of `count` elements) of `in` (world blocks) reduced over the ranks.
-  void reduce_scatter(const char* in, char* out, int64_t count, DType dtype, int op, double timeout_s);
+  void reduce_scatter(const char* in, char* out, int64_t count, DType dtype, int op, const CallDesc& d,
+                      double timeout_s);
   void barrier(double timeout_s);
   // Agreement on a descriptor only (what the backend runs before a collective it hands to gloo).
   void check(const CallDesc& d, double timeout_s);
@@ -118,7 +122,9 @@ class Transport {
   void setup_shm(double timeout_s);
   void build_ring(double timeout_s);
   void ensure_ring(double timeout_s);
-  void ensure_usable() const;
+  // Every collective starts here: raises if the transport is broken, and gives the shared-memory group the
+  // call's descriptor, which its barriers compare.
+  void begin(const CallDesc& d);
 
   // Runs one stage on the shared-memory group / the ring, turning their errors into Faults.
   template <typename F>

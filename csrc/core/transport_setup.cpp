@@ -265,11 +265,12 @@ void Transport::ensure_ring(double timeout_s) {
   build_ring(timeout_s);
 }
 
-void Transport::ensure_usable() const {
+void Transport::begin(const CallDesc& d) {
   if (!broken_.empty()) {
     throw Fault(broken_kind_, cfg_.desc + " failed earlier and cannot be used again (" + broken_ +
                                   "); create a new process group");
   }
+  if (local_) local_->set_call(d);
 }
 
 void Transport::raise(const Fault& f) {
@@ -326,29 +327,6 @@ std::string Transport::mismatch_text(int a, const CallDesc& da, int b, const Cal
          " (differs in " + diff + ")";
 }
 
-namespace {
-
-// The call a shared-memory barrier descriptor {code, count, extra} stands for.
-CallDesc shm_desc(const uint64_t w[3]) {
-  const uint64_t kind = w[0] >> 32;
-  const int32_t op = static_cast<int32_t>((w[0] >> 16) & 0xFFFF), dtype = static_cast<int32_t>(w[0] & 0xFFFF);
-  const int64_t count = static_cast<int64_t>(w[1]);
-  switch (kind) {
-    case 1: return {kAllReduce, op, dtype, count, 0, static_cast<int32_t>(w[2] >> 40)};
-    case 2: return {kAllReduce, op, dtype, count, 0, 1};
-    case 3: return {kBroadcast, 0, 0, count, static_cast<int32_t>(w[2])};
-    case 4: return {kAllGather, 0, 0, count, 0};
-    case 6: return {kReduceScatter, op, dtype, count, 0};
-    case 7:  // check(): the caller's kind in the low bits, op / dtype / root packed into `extra`
-      return {static_cast<int32_t>(w[0] & 0xFFFFFFFFULL), static_cast<int32_t>(w[2] >> 48),
-              static_cast<int32_t>((w[2] >> 32) & 0xFFFF), count, static_cast<int32_t>(w[2] & 0xFFFFFFFFULL)};
-    case 0xBA: return {kBarrier, 0, 0, 0, 0};
-  }
-  return {static_cast<int32_t>(100 + kind), 0, 0, count, 0};
-}
-
-}  // namespace
-
 Fault Transport::shm_fault(const char* what, const shm::CommError& e, double timeout_s) {
   const auto& mine = host_ranks_[host_];
   std::vector<int> missing;
@@ -357,7 +335,7 @@ Fault Transport::shm_fault(const char* what, const shm::CommError& e, double tim
   }
   switch (e.kind) {
     case shm::CommError::kMismatch:
-      return Fault(Fault::kMismatch, mismatch_text(cfg_.rank, shm_desc(e.mine), mine.at(e.other), shm_desc(e.theirs),
+      return Fault(Fault::kMismatch, mismatch_text(cfg_.rank, e.mine_call, mine.at(e.other), e.theirs_call,
                                                    "where the tensor lies (one rank's is in a shared buffer)"));
     case shm::CommError::kTimeout: return named_fault(Fault::kTimeout, what, missing, timeout_s, e.what());
     case shm::CommError::kPeerDead: return named_fault(Fault::kUnavailable, what, missing, timeout_s, e.what());
@@ -382,7 +360,7 @@ Fault Transport::ring_fault(const char* what, const ring::RingError& e, double t
   };
   if (e.kind == ring::RingError::kMismatch) {
     const int left = ring_members_[(ring_rank_ + n - 1) % n];
-    const std::string msg = mismatch_text(cfg_.rank, ring::desc_of(e.mine), left, ring::desc_of(e.theirs),
+    const std::string msg = mismatch_text(cfg_.rank, e.mine.call, left, e.theirs.call,
                                           "settings TORCHSTRATEGIES_RING_SMALL_BYTES / _CHUNK_BYTES");
     publish(mkey, msg);
     ring_->close();

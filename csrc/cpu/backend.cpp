@@ -2,7 +2,9 @@
 // transport on the worker thread (see backend.h).
 #include "cpu/backend.h"
 
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -58,24 +60,61 @@ void check_flat_pair(const char* op, const at::Tensor& input, const at::Tensor& 
               " holds ", whole.numel(), " elements, expected world size ", size, " x ", part.numel());
 }
 
-// A coalesced call as its pairs' calls, one by one in order: the last one's Work completes after the others
-// (FIFO), a barrier's when there are none.
-template <typename Call>
-c10::intrusive_ptr<c10d::Work> one_by_one(Backend& backend, const char* op, std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs, const Call& call) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies ", op, ": ", outputs.size(), " outputs for ",
-              inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = call(outputs[i], inputs[i]);
-  return last ? last : backend.barrier(c10d::BarrierOptions());
-}
-
 // The kernels' dtype of `tensors` if every one is a dense tensor of the same dtype our kernels take.
 std::optional<core::DType> kernel_dtype_of(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
     if (t.layout() != at::kStrided || t.scalar_type() != tensors[0].scalar_type()) return std::nullopt;
   }
   return tensors.empty() ? std::nullopt : kernel_dtype(tensors[0].scalar_type());
+}
+
+// The transport's unit of time (seconds) for a c10d timeout: the one conversion into csrc/core.
+double core_seconds(std::chrono::milliseconds t) { return static_cast<double>(t.count()) / 1000.0; }
+
+// The profiler span of a collective: "torchstrategies:<collective>" (static names: the profiler keeps them).
+const char* span_name(int32_t kind) {
+  switch (kind) {
+    case core::kAllReduce: return "torchstrategies:all_reduce";
+    case core::kAllGather: return "torchstrategies:all_gather";
+    case core::kBroadcast: return "torchstrategies:broadcast";
+    case core::kReduceScatter: return "torchstrategies:reduce_scatter";
+    case core::kBarrier: return "torchstrategies:barrier";
+    case core::kBuffer: return "torchstrategies:buffer";
+    case core::kAllToAll: return "torchstrategies:all_to_all";
+    case core::kGather: return "torchstrategies:gather";
+    case core::kScatter: return "torchstrategies:scatter";
+    case core::kReduce: return "torchstrategies:reduce";
+    case core::kAllGatherCoalesced: return "torchstrategies:all_gather_coalesced";
+    case core::kAllReduceDelegated: return "torchstrategies:all_reduce";
+    case core::kReduceScatterDelegated: return "torchstrategies:reduce_scatter";
+    case core::kAllReduceSparse: return "torchstrategies:all_reduce_sparse";
+  }
+  return "torchstrategies:collective";
+}
+
+std::string c10d_op_name(int32_t code) {
+  static const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  return code >= 0 && code < 9 ? names[code] : "#" + std::to_string(code);
+}
+
+std::string torch_dtype_name(int32_t code) {
+  if (code < 0 || code >= static_cast<int32_t>(at::ScalarType::NumOptions)) return "#" + std::to_string(code);
+  switch (static_cast<at::ScalarType>(code)) {  // Python's names
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kComplexHalf: return "complex32";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    case at::kBool: return "bool";
+    default: return c10::toString(static_cast<at::ScalarType>(code));
+  }
 }
 
 // A contiguous tensor to work on: `t` itself, or a copy the worker writes back with `copy_back`.
@@ -124,8 +163,34 @@ void Work::complete(std::exception_ptr error) {
   }
 }
 
-Backend::Backend(int rank, int size, std::unique_ptr<core::Transport> transport, double timeout_s)
-    : c10d::Backend(rank, size), transport_(std::move(transport)), timeout_s_(timeout_s) {
+core::CallDesc describe_call(core::CallKind kind, const std::vector<at::Tensor>& tensors, int32_t op, int32_t root,
+                             bool sizes_agree) {
+  core::CallDesc d;
+  d.kind = kind;
+  d.op = op;
+  d.root = root;
+  d.parts = static_cast<int32_t>(tensors.size());
+  d.dtype = tensors.empty() ? 0 : static_cast<int32_t>(tensors[0].scalar_type());
+  uint32_t h = 2166136261u;  // FNV-1a over (numel, dtype) of every tensor, in order
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ static_cast<uint32_t>(v & 0xFF)) * 16777619u;
+  };
+  for (const auto& t : tensors) {
+    if (static_cast<int32_t>(t.scalar_type()) != d.dtype) d.dtype = core::kMixedDtype;
+    if (sizes_agree) {
+      d.count += t.numel();
+      mix(static_cast<uint64_t>(t.numel()));
+    }
+    mix(static_cast<uint64_t>(t.scalar_type()));
+  }
+  d.shape = h;
+  return d;
+}
+
+void install_code_names() { core::set_code_names(c10d_op_name, torch_dtype_name); }
+
+Backend::Backend(int rank, int size, std::unique_ptr<core::Transport> transport, std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size), transport_(std::move(transport)), timeout_(timeout) {
   worker_ = std::thread([this] { loop(); });
 }
 
@@ -145,23 +210,30 @@ Backend::~Backend() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> Backend::getBackendOptions() {
-  return c10::make_intrusive<Options>(
-      "torchstrategies", std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000.0)));
+  return c10::make_intrusive<Options>("torchstrategies", timeout());
 }
 
-void Backend::setTimeout(std::chrono::milliseconds timeout) { timeout_s_ = timeout.count() / 1000.0; }
-
-double Backend::timeout_of(std::chrono::milliseconds t) const {
-  return t.count() >= 0 ? t.count() / 1000.0 : timeout_s_;
+void Backend::setTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  timeout_ = timeout;
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, std::vector<at::Tensor> outputs,
+std::chrono::milliseconds Backend::timeout() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timeout_;
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                                std::chrono::milliseconds timeout, bool sync, Task task) {
-  auto work = c10::make_intrusive<Work>(getRank(), type, std::move(outputs));
-  Item item{work, timeout_of(timeout), std::move(task)};
+  auto work = c10::make_intrusive<Work>(getRank(), type, outputs);
+  Item item{work, span_name(desc.kind), std::move(outputs), timeout, std::move(task)};
   {
     std::unique_lock<std::mutex> lock(mu_);
+    if (item.timeout.count() < 0) item.timeout = timeout_;
     if (!sync || busy_ || !queue_.empty()) {
+      // A queued call runs on the worker: it takes the caller's thread-local state (the profiler's callbacks
+      // among it) while a profiler is on, so its span shows in the caller's trace.
+      if (at::hasCallbacks()) item.state = std::make_shared<at::ThreadLocalState>();
       queue_.push_back(std::move(item));
       lock.unlock();
       cv_.notify_one();
@@ -185,14 +257,19 @@ c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, std::vector<at::Tens
 }
 
 void Backend::run(Item& item) {
+  std::optional<at::ThreadLocalStateGuard> state;
+  if (item.state) state.emplace(*item.state);
   at::NoGradGuard no_grad;  // the copies back into the caller's tensors are not part of any graph
   std::exception_ptr error;
-  try {
-    item.task(item.timeout_s);
-  } catch (const core::Fault& f) {
-    error = to_error(f);
-  } catch (...) {
-    error = std::current_exception();
+  {
+    RECORD_FUNCTION(item.span, std::vector<c10::IValue>(item.tensors.begin(), item.tensors.end()));
+    try {
+      item.task(item.timeout);
+    } catch (const core::Fault& f) {
+      error = to_error(f);
+    } catch (...) {
+      error = std::current_exception();
+    }
   }
   item.work->complete(error);
 }
@@ -214,14 +291,14 @@ void Backend::loop() {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::delegate(OpType type, std::vector<at::Tensor> outputs,
-                                                 std::chrono::milliseconds timeout, bool sync, core::CallDesc desc,
+c10::intrusive_ptr<c10d::Work> Backend::delegate(OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
+                                                 std::chrono::milliseconds timeout, bool sync,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op) {
-  return submit(type, std::move(outputs), timeout, sync, [this, desc, gloo_op = std::move(gloo_op)](double t) {
-    transport_->check(desc, t);
-    auto w = gloo_op();
-    w->wait(std::chrono::milliseconds(static_cast<int64_t>(t * 1000.0) + 1));
-  });
+  return submit(type, desc, std::move(outputs), timeout, sync,
+                [this, desc, gloo_op = std::move(gloo_op)](std::chrono::milliseconds t) {
+                  transport_->check(desc, core_seconds(t));
+                  gloo_op()->wait(t + std::chrono::milliseconds(1));  // gloo's own timeout answers first
+                });
 }
 
 // ---- all-reduce -------------------------------------------------------------------------------------------
@@ -231,13 +308,12 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   for (const auto& t : tensors) check_cpu("allreduce", t);
   const int op = core_op(opts.reduceOp);
   const auto dtype = kernel_dtype_of(tensors);
+  const int32_t c10d_op = static_cast<int32_t>(opts.reduceOp.op_);
   if (op < 0 || !dtype) {  // a dtype (bool, int8, complex...), op or layout our kernels do not take: gloo
-    int64_t total = 0;
-    for (const auto& t : tensors) total += t.layout() == at::kStrided ? nbytes(t) : 0;
     auto ts = tensors;
     auto o = opts;
-    return delegate(OpType::ALLREDUCE, tensors, opts.timeout, !opts.asyncOp, {core::kAllReduceDelegated, 0, 0, total, 0},
-                    [this, ts, o]() mutable {
+    return delegate(OpType::ALLREDUCE, describe_call(core::kAllReduceDelegated, tensors, c10d_op), tensors,
+                    opts.timeout, !opts.asyncOp, [this, ts, o]() mutable {
                       if (ts.size() == 1) return gloo_->allreduce(ts, o);
                       c10d::AllreduceCoalescedOptions co;
                       co.reduceOp = o.reduceOp;
@@ -250,12 +326,14 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   std::vector<at::Tensor> used;
   for (const auto& t : tensors) used.push_back(work_on(t));
   unalias(used);
-  return submit(OpType::ALLREDUCE, tensors, opts.timeout, !opts.asyncOp, [this, tensors, used, dt = *dtype, op](double t) {
-    std::vector<core::shm::Piece> pieces;
-    for (const auto& u : used) pieces.push_back({ptr(u), u.numel()});
-    transport_->all_reduce(pieces, dt, op, t);
-    copy_back(tensors, used);
-  });
+  const core::CallDesc desc = describe_call(core::kAllReduce, tensors, c10d_op);
+  return submit(OpType::ALLREDUCE, desc, tensors, opts.timeout, !opts.asyncOp,
+                [this, tensors, used, dt = *dtype, op, desc](std::chrono::milliseconds t) {
+                  std::vector<core::shm::Piece> pieces;
+                  for (const auto& u : used) pieces.push_back({ptr(u), u.numel()});
+                  transport_->all_reduce(pieces, dt, op, desc, core_seconds(t));
+                  copy_back(tensors, used);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -276,22 +354,44 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
     used.push_back(work_on(t));
   }
   const int root = static_cast<int>(opts.rootRank);
-  return submit(OpType::BROADCAST, tensors, opts.timeout, !opts.asyncOp, [this, tensors, used, root](double t) {
-    for (const auto& u : used) {
-      transport_->broadcast(ptr(u), static_cast<size_t>(nbytes(u)), root, static_cast<int32_t>(u.scalar_type()), t);
-    }
-    if (getRank() != root) copy_back(tensors, used);
-  });
+  // Every tensor's broadcast carries the whole list's descriptor.
+  const core::CallDesc desc = describe_call(core::kBroadcast, tensors, 0, root);
+  return submit(OpType::BROADCAST, desc, tensors, opts.timeout, !opts.asyncOp,
+                [this, tensors, used, root, desc](std::chrono::milliseconds t) {
+                  for (const auto& u : used) {
+                    transport_->broadcast(ptr(u), static_cast<size_t>(nbytes(u)), root, desc, core_seconds(t));
+                  }
+                  if (getRank() != root) copy_back(tensors, used);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  check_flat_pair("allgather", input, output, /*output_is_long=*/true, getSize());
-  const at::Tensor in = work_on(input), out = work_on(output);
-  return submit(OpType::_ALLGATHER_BASE, {output}, opts.timeout, !opts.asyncOp, [this, in, out, output](double t) {
-    transport_->all_gather(ptr(in), ptr(out), static_cast<size_t>(nbytes(in)), static_cast<int32_t>(in.scalar_type()), t);
-    copy_back({output}, {out});
-  });
+  return all_gather_pairs(OpType::_ALLGATHER_BASE, {output}, {input}, opts);
+}
+
+// One call for every pair (a coalesced call is one descriptor: the ranks agree on the whole list at once).
+c10::intrusive_ptr<c10d::Work> Backend::all_gather_pairs(OpType type, const std::vector<at::Tensor>& outputs,
+                                                         const std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies allgather: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  if (inputs.empty()) return barrier(c10d::BarrierOptions());
+  std::vector<at::Tensor> ins, outs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_flat_pair("allgather", inputs[i], outputs[i], /*output_is_long=*/true, getSize());
+    ins.push_back(work_on(inputs[i]));
+    outs.push_back(work_on(outputs[i]));
+  }
+  const core::CallDesc desc = describe_call(core::kAllGather, inputs);
+  return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
+                [this, ins, outs, outputs, desc](std::chrono::milliseconds t) {
+                  for (size_t i = 0; i < ins.size(); ++i) {
+                    transport_->all_gather(ptr(ins[i]), ptr(outs[i]), static_cast<size_t>(nbytes(ins[i])), desc,
+                                           core_seconds(t));
+                  }
+                  copy_back(outputs, outs);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -302,49 +402,77 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   auto outs = outputs[0];
   TORCH_CHECK(static_cast<int>(outs.size()) == getSize(), "torchstrategies allgather: expected ", getSize(),
               " output tensors, got ", outs.size());
-  for (const auto& o : outs) {
-    check_cpu("allgather", o);
-    TORCH_CHECK(o.numel() == input.numel() && o.scalar_type() == input.scalar_type(),
+  for (size_t j = 0; j < outs.size(); ++j) {
+    check_cpu("allgather", outs[j]);
+    TORCH_CHECK(outs[j].numel() == input.numel() && outs[j].scalar_type() == input.scalar_type(),
                 "torchstrategies allgather: every output must have the input's numel and dtype (", input.numel(),
-                ", ", input.scalar_type(), "), got ", o.numel(), ", ", o.scalar_type());
+                ", ", input.scalar_type(), "), output ", j, " has ", outs[j].numel(), ", ", outs[j].scalar_type());
   }
   check_cpu("allgather", input);
   const at::Tensor in = work_on(input);
   const at::Tensor flat = at::empty({getSize() * input.numel()}, input.options());
-  return submit(OpType::ALLGATHER, outs, opts.timeout, !opts.asyncOp, [this, in, flat, outs](double t) {
-    transport_->all_gather(ptr(in), ptr(flat), static_cast<size_t>(nbytes(in)), static_cast<int32_t>(in.scalar_type()),
-                           t);
-    const int64_t n = in.numel();
-    for (size_t j = 0; j < outs.size(); ++j) outs[j].view({-1}).copy_(flat.narrow(0, static_cast<int64_t>(j) * n, n));
-  });
+  const core::CallDesc desc = describe_call(core::kAllGather, {input});
+  return submit(OpType::ALLGATHER, desc, outs, opts.timeout, !opts.asyncOp,
+                [this, in, flat, outs, desc](std::chrono::milliseconds t) {
+                  transport_->all_gather(ptr(in), ptr(flat), static_cast<size_t>(nbytes(in)), desc, core_seconds(t));
+                  const int64_t n = in.numel();
+                  for (size_t j = 0; j < outs.size(); ++j) {  // outputs of any layout (copy_ follows strides)
+                    outs[j].copy_(flat.narrow(0, static_cast<int64_t>(j) * n, n).view(outs[j].sizes()));
+                  }
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::AllgatherOptions& opts) {
-  return one_by_one(*this, "allgather", outputs, inputs,
-                    [&](at::Tensor& out, at::Tensor& in) { return _allgather_base(out, in, opts); });
+  return all_gather_pairs(OpType::COALESCED, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::ReduceScatterOptions& opts) {
-  check_flat_pair("reduce_scatter", input, output, /*output_is_long=*/false, getSize());
-  const int op = core_op(opts.reduceOp);
-  const auto dtype = kernel_dtype(input.scalar_type());
-  if (op < 0 || !dtype) {
-    auto out = output, in = input;
-    auto o = opts;
-    return delegate(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout, !opts.asyncOp,
-                    {core::kAllReduceDelegated, 0, 0, nbytes(input), 0},
-                    [this, out, in, o]() mutable { return gloo_->_reduce_scatter_base(out, in, o); });
+  return reduce_scatter_pairs(OpType::_REDUCE_SCATTER_BASE, {output}, {input}, opts);
+}
+
+// One call for every pair, as all_gather_pairs; a list our kernels do not take goes to gloo pair by pair.
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_pairs(OpType type, const std::vector<at::Tensor>& outputs,
+                                                             const std::vector<at::Tensor>& inputs,
+                                                             const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "torchstrategies reduce_scatter: ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  if (inputs.empty()) return barrier(c10d::BarrierOptions());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_flat_pair("reduce_scatter", inputs[i], outputs[i], /*output_is_long=*/false, getSize());
   }
-  TORCH_CHECK(op != core::kMean || at::isFloatingType(input.scalar_type()),
-              "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", input.scalar_type());
-  const at::Tensor in = work_on(input), out = work_on(output);
-  return submit(OpType::_REDUCE_SCATTER_BASE, {output}, opts.timeout, !opts.asyncOp,
-                [this, in, out, output, dt = *dtype, op](double t) {
-                  transport_->reduce_scatter(ptr(in), ptr(out), out.numel(), dt, op, t);
-                  copy_back({output}, {out});
+  const int op = core_op(opts.reduceOp);
+  const auto dtype = kernel_dtype_of(inputs);
+  const int32_t c10d_op = static_cast<int32_t>(opts.reduceOp.op_);
+  if (op < 0 || !dtype) {
+    auto o = opts;
+    return delegate(type, describe_call(core::kReduceScatterDelegated, inputs, c10d_op), outputs, opts.timeout,
+                    !opts.asyncOp, [this, outs = outputs, ins = inputs, o]() mutable {
+                      c10::intrusive_ptr<c10d::Work> w;
+                      for (size_t i = 0; i < ins.size(); ++i) {
+                        if (w) w->wait();
+                        w = gloo_->_reduce_scatter_base(outs[i], ins[i], o);
+                      }
+                      return w;
+                    });
+  }
+  TORCH_CHECK(op != core::kMean || at::isFloatingType(inputs[0].scalar_type()),
+              "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", inputs[0].scalar_type());
+  std::vector<at::Tensor> ins, outs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ins.push_back(work_on(inputs[i]));
+    outs.push_back(work_on(outputs[i]));
+  }
+  const core::CallDesc desc = describe_call(core::kReduceScatter, inputs, c10d_op);
+  return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
+                [this, ins, outs, outputs, dt = *dtype, op, desc](std::chrono::milliseconds t) {
+                  for (size_t i = 0; i < ins.size(); ++i) {
+                    transport_->reduce_scatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, desc,
+                                               core_seconds(t));
+                  }
+                  copy_back(outputs, outs);
                 });
 }
 
@@ -367,101 +495,12 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  return one_by_one(*this, "reduce_scatter", outputs, inputs,
-                    [&](at::Tensor& out, at::Tensor& in) { return _reduce_scatter_base(out, in, opts); });
+  return reduce_scatter_pairs(OpType::COALESCED, outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
-  return submit(OpType::BARRIER, {}, opts.timeout, !opts.asyncOp, [this](double t) { transport_->barrier(t); });
-}
-
-// ---- handed to gloo ---------------------------------------------------------------------------------------
-c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
-                                                         const c10d::AllreduceOptions& opts) {
-  auto ts = tensors;
-  auto o = opts;
-  return delegate(OpType::_ALLREDUCE_SPARSE, tensors, opts.timeout, !opts.asyncOp, {core::kAllReduceDelegated, 0, 0, 0, 0},
-                  [this, ts, o]() mutable { return gloo_->allreduce_sparse(ts, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  auto ts = tensors;
-  auto o = opts;
-  const int64_t b = tensors.empty() ? 0 : nbytes(tensors[0]);
-  return delegate(OpType::REDUCE, tensors, opts.timeout, !opts.asyncOp,
-                  {core::kReduce, static_cast<int32_t>(opts.reduceOp.op_), 0, b, static_cast<int32_t>(opts.rootRank)},
-                  [this, ts, o]() mutable { return gloo_->reduce(ts, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                            std::vector<at::Tensor>& inputs,
-                                                            const c10d::AllgatherOptions& opts) {
-  auto out = outputs;
-  auto in = inputs;
-  auto o = opts;
-  int64_t b = 0;
-  for (const auto& t : inputs) b += nbytes(t);
-  return delegate(OpType::ALLGATHER_COALESCED, inputs, opts.timeout, !opts.asyncOp, {core::kAllGatherCoalesced, 0, 0, b, 0},
-                  [this, out, in, o]() mutable { return gloo_->allgather_coalesced(out, in, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                               std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  auto out = outputs;
-  auto in = inputs;
-  auto o = opts;
-  const int64_t b = inputs.empty() ? 0 : nbytes(inputs[0]);
-  return delegate(OpType::GATHER, inputs, opts.timeout, !opts.asyncOp, {core::kGather, 0, 0, b, static_cast<int32_t>(opts.rootRank)},
-                  [this, out, in, o]() mutable { return gloo_->gather(out, in, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ScatterOptions& opts) {
-  auto out = outputs;
-  auto in = inputs;
-  auto o = opts;
-  const int64_t b = outputs.empty() ? 0 : nbytes(outputs[0]);
-  return delegate(OpType::SCATTER, outputs, opts.timeout, !opts.asyncOp,
-                  {core::kScatter, 0, 0, b, static_cast<int32_t>(opts.rootRank)},
-                  [this, out, in, o]() mutable { return gloo_->scatter(out, in, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                      std::vector<int64_t>& output_splits,
-                                                      std::vector<int64_t>& input_splits,
-                                                      const c10d::AllToAllOptions& opts) {
-  auto out = output, in = input;
-  auto os = output_splits, is = input_splits;
-  auto o = opts;
-  // Sizes may differ between ranks (uneven splits): the check agrees on the collective only.
-  return delegate(OpType::ALLTOALL_BASE, {output}, opts.timeout, !opts.asyncOp, {core::kAllToAll, 0, 0, 0, 0},
-                  [this, out, in, os, is, o]() mutable { return gloo_->alltoall_base(out, in, os, is, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                 const c10d::AllToAllOptions& opts) {
-  auto out = outputs, in = inputs;
-  auto o = opts;
-  return delegate(OpType::ALLTOALL, outputs, opts.timeout, !opts.asyncOp, {core::kAllToAll, 0, 0, 0, 0},
-                  [this, out, in, o]() mutable { return gloo_->alltoall(out, in, o); });
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return gloo_->send(tensors, dst, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return gloo_->recv(tensors, src, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return gloo_->recvAnysource(tensors, tag);
-}
-
-void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  barrier(opts)->wait();  // after everything queued before it
-  gloo_->monitoredBarrier(opts, wait_all_ranks);
+  return submit(OpType::BARRIER, describe_call(core::kBarrier, {}), {}, opts.timeout, !opts.asyncOp,
+                [this](std::chrono::milliseconds t) { transport_->barrier(core_seconds(t)); });
 }
 
 at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {
@@ -469,8 +508,10 @@ at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {
   auto keep = std::make_shared<std::shared_ptr<core::shm::Segment>>();
   char* p = nullptr;
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  auto w = submit(OpType::UNKNOWN, {}, std::chrono::milliseconds(-1), true,
-                  [this, keep, &p, bytes](double t) { p = transport_->alloc_buffer(bytes, t, keep.get()); });
+  auto w = submit(OpType::UNKNOWN, describe_call(core::kBuffer, {}), {}, std::chrono::milliseconds(-1), true,
+                  [this, keep, &p, bytes](std::chrono::milliseconds t) {
+                    p = transport_->alloc_buffer(bytes, core_seconds(t), keep.get());
+                  });
   w->wait();
   if (p == nullptr) return at::zeros({numel}, at::TensorOptions().dtype(dtype));
   auto holder = new std::shared_ptr<core::shm::Segment>(*keep);

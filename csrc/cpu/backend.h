@@ -9,8 +9,16 @@
 // communication hooks chain on. Native here: allreduce (+ coalesced), broadcast, allgather (+ base and
 // coalesced-into-tensor), reduce_scatter (+ base and coalesced), barrier. Everything else (send / recv,
 // all_to_all, gather, scatter, reduce, and reductions of dtypes or ops our kernels do not take) goes to a gloo
-// backend made from the same store; the collectives among them first agree on a descriptor on our transport,
-// so a rank calling one while another calls something else raises instead of hanging.
+// backend made from the same store.
+//
+// One descriptor check for every collective, native or handed to gloo: the call's descriptor (core/desc.h:
+// collective, reduce op, dtype, element count, number and sizes of the tensors, root) is built once from
+// its tensors and options (`describe_call`) and agreed on our transport before any data moves, on every plan.
+// A difference raises ValueError on every rank and leaves the group usable. Every call is also a profiler span
+// "torchstrategies:<collective>" (with its tensors' sizes) on the thread that runs it.
+//
+// Time: this layer counts in c10d's std::chrono::milliseconds; the transport (csrc/core) in double seconds,
+// converted once where a call enters it (core_seconds); Python in float seconds, converted in the binding.
 //
 // Errors: torch.distributed.DistBackendError (c10::DistBackendError) whose message starts with
 // "torchstrategies <Name>: " - DeadlineExceededError (a peer is late), UnavailableError (a peer is gone) or
@@ -19,6 +27,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <ATen/ThreadLocalState.h>
 
 #include <condition_variable>
 #include <deque>
@@ -48,7 +57,7 @@ class Work : public c10d::Work {
 
 class Backend final : public c10d::Backend {
  public:
-  Backend(int rank, int size, std::unique_ptr<core::Transport> transport, double timeout_s);
+  Backend(int rank, int size, std::unique_ptr<core::Transport> transport, std::chrono::milliseconds timeout);
   // The gloo backend the collectives we do not run go to (set by the creator right after construction, once
   // our own set-up succeeded, so a set-up failure is reported as ours).
   void set_gloo(c10::intrusive_ptr<c10d::Backend> gloo) { gloo_ = std::move(gloo); }
@@ -108,37 +117,56 @@ class Backend final : public c10d::Backend {
   // For torchstrategies.collectives: the plan in words, and a zero-copy shared-memory buffer.
   std::string plan_name() const { return core::plan_name(transport_->plan()); }
   int num_hosts() const { return transport_->num_hosts(); }
-  double timeout_s() const { return timeout_s_; }
+  std::chrono::milliseconds timeout() const;
   at::Tensor buffer(int64_t numel, at::ScalarType dtype);
 
  private:
-  using Task = std::function<void(double timeout_s)>;
+  // The work of one call, given the call's timeout (it converts it with core_seconds where it calls the
+  // transport).
+  using Task = std::function<void(std::chrono::milliseconds timeout)>;
   struct Item {
     c10::intrusive_ptr<Work> work;
-    double timeout_s;
+    const char* span;                 // the profiler span's name
+    std::vector<at::Tensor> tensors;  // the span's inputs (their sizes)
+    std::chrono::milliseconds timeout;
     Task task;
+    std::shared_ptr<at::ThreadLocalState> state;  // the caller's, for a queued call while a profiler is on
   };
-  // Queues `task` (FIFO); `sync` (the caller waits at once, async_op=False) runs it on the caller's thread
-  // when nothing is queued or running.
-  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+  // Queues `task` (FIFO) for the call `desc` describes; `sync` (the caller waits at once, async_op=False) runs
+  // it on the caller's thread when nothing is queued or running. A negative timeout is the group's.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                         std::chrono::milliseconds timeout, bool sync, Task task);
   // Runs `gloo_op` (a gloo collective) after the ranks agree on `desc` on our transport, in FIFO order.
-  c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                          std::chrono::milliseconds timeout, bool sync, core::CallDesc desc,
+  c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
+                                          std::chrono::milliseconds timeout, bool sync,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op);
-  double timeout_of(std::chrono::milliseconds t) const;
+  // all_gather / reduce_scatter of every (output, input) pair as one call with one descriptor.
+  c10::intrusive_ptr<c10d::Work> all_gather_pairs(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_pairs(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                                      const std::vector<at::Tensor>& inputs,
+                                                      const c10d::ReduceScatterOptions& opts);
   void run(Item& item);
   void loop();
 
   std::unique_ptr<core::Transport> transport_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
-  double timeout_s_;
-  std::mutex mu_;
+  mutable std::mutex mu_;              // guards everything below
+  std::chrono::milliseconds timeout_;  // the group's (setTimeout writes it, submit reads it)
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stop_ = false;
   bool busy_ = false;  // a task is running (on the worker or inline on a caller's thread)
   std::thread worker_;
 };
+
+// The one descriptor of a call over `tensors` (core/desc.h): kind, c10d reduce-op code, torch dtype code, the
+// elements of every tensor, their number and a hash of their sizes and dtypes. `sizes_agree` false: the ranks'
+// sizes may differ (uneven all_to_all), so only the kind, dtype and number of tensors are compared.
+core::CallDesc describe_call(core::CallKind kind, const std::vector<at::Tensor>& tensors, int32_t op = 0,
+                             int32_t root = 0, bool sizes_agree = true);
+// Installs the names of c10d's reduce ops and torch's dtypes for the transport's messages (once, at import).
+void install_code_names();
 
 }  // namespace torchstrategies

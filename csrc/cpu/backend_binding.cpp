@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
@@ -16,6 +17,12 @@ namespace py = pybind11;
 
 namespace torchstrategies {
 namespace {
+
+// Python's float seconds <-> c10d's milliseconds: the two conversions at this seam.
+std::chrono::milliseconds to_c10d(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+double to_python(std::chrono::milliseconds t) { return static_cast<double>(t.count()) / 1000.0; }
 
 Backend& ours(c10d::Backend& b) {
   auto* p = dynamic_cast<Backend*>(&b);
@@ -54,12 +61,13 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
     throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                                 std::string("torchstrategies ") + names[f.kind] + ": " + f.what());
   }
-  return c10::make_intrusive<Backend>(rank, size, std::move(t), timeout_s);
+  return c10::make_intrusive<Backend>(rank, size, std::move(t), to_c10d(timeout_s));
 }
 
 }  // namespace
 
 void init_backend_bindings(py::module_& m) {
+  install_code_names();
   m.def("make_backend", &make_backend, py::call_guard<py::gil_scoped_release>(), py::arg("store"), py::arg("rank"),
         py::arg("size"), py::arg("timeout"), py::arg("global_ranks"), py::arg("desc"), py::arg("implementation"),
         py::arg("host_id"), py::arg("ring_addr"), py::arg("slot_bytes"), py::arg("ring_small_bytes"),
@@ -72,7 +80,7 @@ void init_backend_bindings(py::module_& m) {
       "backend_plan", [](c10d::Backend& b) { return py::make_tuple(ours(b).plan_name(), ours(b).num_hosts()); },
       py::arg("backend"), "(plan name, number of hosts) of a torchstrategies backend.");
   m.def(
-      "backend_timeout", [](c10d::Backend& b) { return ours(b).timeout_s(); }, py::arg("backend"),
+      "backend_timeout", [](c10d::Backend& b) { return to_python(ours(b).timeout()); }, py::arg("backend"),
       "The timeout, in seconds, of a torchstrategies backend (torch's Python binding does not show it).");
   m.def(
       "backend_buffer",
