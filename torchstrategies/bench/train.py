@@ -9,8 +9,9 @@ from the same run on the same machine state:
   (``dist.new_group(backend="torchstrategies")``, AUTO: shared memory on one host);
 * ``mwms-<IMPL>``: MultiWorkerMirroredStrategy with ``CommunicationOptions(implementation=IMPL)``
   (``mwms-default`` is ``MultiWorkerMirroredStrategy()`` as a user gets it);
-* ``no-comm``: our strategy with every step under ``no_sync()``: the same work without communication, the
-  ceiling for any synchronous strategy.
+* ``no-comm``: our strategy with a comm hook that hands each gradient bucket back as it is: the same work
+  (buckets, hooks, the step) without communication, the ceiling for any synchronous strategy. (Not
+  ``no_sync()``: under the gradient rule the optimizer step reduces what ``no_sync`` left unreduced.)
 
 Other strategies add a row with :func:`register_runner` in a module listed in :data:`RUNNER_MODULES`.
 
@@ -27,7 +28,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from torchstrategies.bench.launch import job_env, run_job, worker_spec
 from torchstrategies.bench.mlp import SIZES, mlp
@@ -103,7 +104,6 @@ def _ddp(backend: str) -> Runner:
 
 def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str] | None = None) -> Runner:
     def setup(ctx: BenchContext) -> tuple[Callable[[], None], Callable[[], None]]:
-        import contextlib
 
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
@@ -125,20 +125,29 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
             torch.manual_seed(ctx.seed)
             model = mlp()
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if no_comm:
+            strategy.extended.register_comm_hook(_no_communication)
         x, y = _data(ctx)
         global_batch = ctx.batch * ctx.world_size
-        sync = cast(Any, strategy.extended).no_sync if no_comm else contextlib.nullcontext
 
         def step() -> None:
-            with sync():
-                per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-                (per_example.sum() / global_batch).backward()
-                opt.step()
-                opt.zero_grad()
+            per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            (per_example.sum() / global_batch).backward()
+            opt.step()
+            opt.zero_grad()
 
         return step, strategy.shutdown
 
     return setup
+
+
+def _no_communication(group: Any, bucket: Any) -> Any:
+    """A comm hook that reduces nothing: the bucket's own contents, at once."""
+    import torch
+
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _implementations() -> list[str]:
