@@ -172,3 +172,26 @@ def mwms_checkpoint(rank: int, world: int, directory: str) -> list[str]:
         return saved
     finally:
         strategy.shutdown()
+
+
+def train_on_batches(model: Any) -> list[np.ndarray]:
+    """``train_on_batch`` on global batches of 8 rows, as numpy arrays (Keras hands its step numpy there)."""
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse")
+    x, y = data()
+    for start in range(0, 32, 8):
+        model.train_on_batch(x[start:start + 8], y[start:start + 8])
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def mwms_train_on_batch(rank: int, world: int) -> list[np.ndarray]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = build("mlp")
+        return train_on_batches(model)
+    finally:
+        strategy.shutdown()

@@ -91,6 +91,32 @@ def test_multi_worker_fit_with_batch_norm_and_dropout_equals_one_process():
 
 
 @pytest.mark.timeout(240)
+def test_multi_worker_train_on_batch_of_numpy_global_batches_equals_one_process():
+    want = K.train_on_batches(K.build("mlp"))
+    for got in run_ranks(K.mwms_train_on_batch, 2, timeout=200):
+        for i, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL, err_msg=f"weight {i}")
+
+
+@pytest.mark.timeout(240)
+def test_bench_train_compares_keras_under_mwms_with_plain_keras_in_one_run(tmp_path):
+    from click.testing import CliRunner
+
+    from torchstrategies.cli import main
+
+    out = tmp_path / "keras.json"
+    result = CliRunner().invoke(main, ["bench", "train", "--nproc", "2", "--strategy", "keras-one-process",
+                                       "--strategy", "keras-mwms", "--steps", "2", "--repeats", "1",
+                                       "--no-in-process", "--no-progress", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    import json
+
+    rows = {r["runner"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"keras-one-process", "keras-mwms"}
+    assert all(r["samples/s"] > 0 for r in rows.values())
+
+
+@pytest.mark.timeout(240)
 def test_model_checkpoint_writes_once_on_the_chief(tmp_path):
     chief, other = run_ranks(K.mwms_checkpoint, 2, args=(str(tmp_path),), timeout=200)
     assert chief == [str(tmp_path / "model.keras")] * 2

@@ -38,7 +38,7 @@ from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
 __all__ = ["run", "plot", "register_runner", "RUNNERS", "RUNNER_MODULES", "BenchContext"]
 
 # Modules imported by the worker before it looks up runners; each may call register_runner(...).
-RUNNER_MODULES: list[str] = []
+RUNNER_MODULES: list[str] = ["torchstrategies.bench.keras_fit"]   # keras-mwms, keras-one-process (not default rows)
 
 
 @dataclass
@@ -322,4 +322,7 @@ def plot(result: BenchResult, path: str) -> None:
 
 
 if __name__ == "__main__":  # the torchrun worker that run() launches
-    _worker(*worker_spec())
+    # Through the imported module, not this __main__ copy: runner modules register into that one's RUNNERS.
+    from torchstrategies.bench import train as _train
+
+    _train._worker(*worker_spec())

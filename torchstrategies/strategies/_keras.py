@@ -391,15 +391,20 @@ def _replica_context() -> Any:
     return rc
 
 
+def _batched(t: Any) -> bool:
+    """A leaf of a batch that has rows: a tensor or an array (``train_on_batch`` hands Keras' step numpy)."""
+    return isinstance(getattr(t, "ndim", None), int) and t.ndim > 0 and hasattr(t, "shape")
+
+
 def _batch_rows(data: Any) -> int:
-    sizes = {t.shape[0] for t in _leaves(data) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    sizes = {int(t.shape[0]) for t in _leaves(data) if _batched(t)}
     if len(sizes) != 1:
         raise ValueError(f"A Keras batch under a strategy must have one batch size, got {sorted(sizes)}")
     return int(sizes.pop())
 
 
 def _rows(t: Any, start: int, stop: int) -> Any:
-    return t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+    return t[start:stop] if _batched(t) else t
 
 
 def _count_weights(model: Any) -> int:
