@@ -9,6 +9,7 @@ import atexit
 import json
 import sys
 import threading
+import time
 
 from _ps_bodies import counter_model
 
@@ -16,7 +17,14 @@ import torchstrategies as ts
 
 
 def _threads_left() -> None:
-    """Registered before the strategy: runs after its own exit handler, and names what still runs."""
+    """Registered before the strategy: runs after its own exit handler, and names what still runs. The
+    library joins its own threads in ``shutdown()``; gRPC's internal helper threads (a stream's request
+    consumer, named ``Thread-N (_run)``) end on their own once their channel is closed, so every thread gets
+    up to 5 s in all to end before it counts as left running."""
+    deadline = time.monotonic() + 5.0
+    for t in threading.enumerate():
+        if t is not threading.main_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
     left = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
     print("THREADS", json.dumps(left), flush=True)
 
