@@ -1,5 +1,5 @@
-// The in-process replicas' own tensors (MirroredStrategy, CentralStorageStrategy), and the torch
-// thread-local state their threads start from. Python's side: torchstrategies/distribute/replicated.py.
+// The in-process replicas' own tensors (MirroredStrategy, CentralStorageStrategy). Python's side:
+// torchstrategies/distribute/replicated.py. (Their threads: replica_threads.cpp.)
 //
 // _C.ReplicaViews: every replica owns a component of every replicated tensor T (a parameter or buffer made
 // in the scope), as a MirroredVariable has one per device in TF. T stays the user's own nn.Parameter (or
@@ -32,13 +32,7 @@
 //
 // Writes in replica context: `leave` notes each tensor whose version moved while replica k's view was in
 // (`written`), so the caller checks only those for replicas that wrote different values.
-//
-// _C.ThreadState: at::ThreadLocalState (grad mode, inference mode, autocast, saved-tensor hooks, torch
-// function/dispatch modes, profiler TLS), captured in the thread that calls strategy.run and entered around
-// each replica's function on its own thread, as torch's autograd engine does for its worker threads.
 #include <torch/extension.h>
-
-#include <ATen/ThreadLocalState.h>
 
 #include <unordered_map>
 #include <vector>
@@ -384,11 +378,6 @@ class ReplicaViews {
   int64_t active_ = -1;
 };
 
-// at::ThreadLocalState, captured where it is made; `call(fn)` runs fn with it entered.
-struct ThreadState {
-  at::ThreadLocalState state;
-};
-
 }  // namespace
 
 void init_replica_views_bindings(py::module_& m) {
@@ -409,13 +398,6 @@ void init_replica_views_bindings(py::module_& m) {
       .def("components", &ReplicaViews::components_of, py::arg("tensor"))
       .def_property_readonly("active", &ReplicaViews::active)
       .def("__len__", &ReplicaViews::size);
-  py::class_<ThreadState>(m, "ThreadState",
-                          "torch's thread-local state (grad mode, autocast, ...) of the thread that made it.")
-      .def(py::init<>())
-      .def("call", [](const ThreadState& s, const py::function& fn) {
-        at::ThreadLocalStateGuard guard(s.state);
-        return fn();
-      }, py::arg("fn"), "Calls fn() with this state entered in the current thread.");
 }
 
 }  // namespace torchstrategies

@@ -96,25 +96,23 @@ def acting_for(replica: _Replica | None) -> Iterator[None]:
 
 
 class _Worker(threading.Thread):
-    """A persistent replica thread: runs its replica's ``fn`` whenever ``go`` is released, and releases
-    ``back`` whenever that replica pauses in a merge_call or returns."""
+    """A persistent replica thread: runs its replica's ``fn`` whenever the scheduler resumes it, and hands
+    back (``_C.Baton``: csrc/cpu/replica_threads.cpp) whenever that replica pauses in a merge_call or
+    returns."""
 
     def __init__(self, number: int):
         super().__init__(name=f"torchstrategies-replica-{number}", daemon=True)
-        self.go = threading.Lock()
-        self.go.acquire()
-        self.back = threading.Lock()
-        self.back.acquire()
+        self.baton = _C.Baton()
         self.replica: _Replica | None = None
 
     def run(self) -> None:
+        self.baton.wait()
         while True:
-            self.go.acquire()
             replica = self.replica
             if replica is not None:
                 replica.execute()
             replica = None  # an idle thread keeps no run, hence no strategy, alive
-            self.back.release()
+            self.baton.pause()
 
 
 class _Pool:
@@ -235,9 +233,8 @@ class _Run:
             w.replica = r
         self.views.enter(r.index)
         try:
-            w.go.release()
             try:
-                if not w.back.acquire(timeout=-1 if self.timeout is None else self.timeout):
+                if not w.baton.resume(self.timeout):
                     raise self.fail(DeadlineExceededError(
                         f"Replica {r.index} neither finished nor reached merge_call within {self.timeout} s"
                     ))
@@ -339,8 +336,7 @@ def merge_call(replica: _Replica, merge_fn: Callable[..., Any], args: tuple, kwa
     else:
         w = replica.worker
         assert w is not None
-        w.back.release()
-        w.go.acquire()
+        w.baton.pause()
         if replica.stop:
             raise _RequestedStop()
     if run.error is not None:
