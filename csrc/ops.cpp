@@ -14,6 +14,8 @@ TORCH_LIBRARY(torchstrategies, m) {
   m.def("tree_reduce_out(Tensor[] tensors, float? scale, Tensor(a!) out) -> ()");
   // dst += sum(tensors), one pass.
   m.def("accumulate_(Tensor(a!) dst, Tensor[] tensors) -> ()");
+  // dsts[i] += tensors[i] + tensors[n + i] + ... for n = len(dsts): accumulate_ over a group, one call.
+  m.def("accumulate_grouped_(Tensor(a!)[] dsts, Tensor[] tensors) -> ()");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -1,4 +1,5 @@
-// The five reduce ops (accumulate_n, tree_reduce, their out= variants, accumulate_), written once for
+// The six reduce ops (accumulate_n, tree_reduce, their out= variants, accumulate_, accumulate_grouped_),
+// written once for
 // every backend. Each entry point checks its inputs (checks.h), picks the output and the summation order,
 // and hands the sum to the backend's `Reduce`:
 //
@@ -79,6 +80,18 @@ struct ReduceOps {
     for (const auto& t : tensors) all.push_back(t);
     Reduce("accumulate_", core::Order::kSequential, all, std::nullopt, dst);
   }
+  // dsts[i] += tensors[i] + tensors[n + i] + ... (n = len(dsts)): accumulate_ over a group in one call.
+  static void accumulate_grouped(at::TensorList dsts, at::TensorList tensors) {
+    const size_t n = dsts.size();
+    TORCH_CHECK(n > 0 ? tensors.size() % n == 0 : tensors.empty(), "accumulate_grouped_: ", tensors.size(),
+                " tensors do not split evenly over ", n, " destinations");
+    const size_t per = n > 0 ? tensors.size() / n : 0;
+    std::vector<at::Tensor> terms(per);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = 0; j < per; ++j) terms[j] = tensors[j * n + i];
+      accumulate_inplace(dsts[i], terms);
+    }
+  }
 };
 
 template <ReduceFn Reduce>
@@ -89,6 +102,7 @@ void register_reduce_ops(torch::Library& m) {
   m.impl("tree_reduce", &Ops::tree_reduce);
   m.impl("tree_reduce_out", &Ops::tree_reduce_out);
   m.impl("accumulate_", &Ops::accumulate_inplace);
+  m.impl("accumulate_grouped_", &Ops::accumulate_grouped);
 }
 
 }  // namespace torchstrategies

@@ -20,7 +20,7 @@ import torch
 
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
-__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "SUPPORTED_DTYPES", "FLOAT_DTYPES",
+__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "SUPPORTED_DTYPES", "FLOAT_DTYPES",
            "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
@@ -168,6 +168,39 @@ def accumulate_(dst: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Ten
     return dst
 
 
+def accumulate_grouped_(dsts: Sequence[torch.Tensor], groups: Sequence[Sequence[torch.Tensor]]) -> None:
+    """``accumulate_(dsts[i], groups[i])`` for every i, in one call (one pass over each ``dsts[i]``).
+
+    Every group has the same number of tensors; no tensor may require grad (call it under
+    ``torch.no_grad()`` on tensors outside any graph, e.g. gradients).
+
+    Raises:
+        ValueError: groups of different lengths, or a group's tensors differ from its dst (the index named).
+        RuntimeError: a tensor requires grad.
+    """
+    if len(dsts) != len(groups):
+        raise ValueError(f"accumulate_grouped_: {len(dsts)} destinations but {len(groups)} groups")
+    if not dsts:
+        return
+    per = len(groups[0])
+    for i, g in enumerate(groups):
+        if len(g) != per:
+            raise ValueError(f"accumulate_grouped_: group {i} has {len(g)} tensors, group 0 has {per}")
+    if torch.is_grad_enabled() and any(_requires_grad(t) for t in (*dsts, *(t for g in groups for t in g))):
+        raise RuntimeError("accumulate_grouped_: a tensor requires grad; call it under torch.no_grad() on "
+                           "tensors outside any graph")
+    flat = [g[j] for j in range(per) for g in groups]
+    try:
+        _ops.accumulate_grouped_(list(dsts), flat)
+    except (RuntimeError, TypeError) as e:
+        for i, (dst, g) in enumerate(zip(dsts, groups)):
+            err = _problem("accumulate_grouped_", list(g), dst, name=f"dsts[{i}]")
+            if err is not None:
+                raise err from e
+        raise
+    _bump_all(dsts)
+
+
 def _requires_grad(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
@@ -177,6 +210,13 @@ def _bump(t: torch.Tensor) -> None:
     saved ``t`` raises at backward instead of computing a wrong gradient."""
     if not t.is_inference():
         torch.autograd.graph.increment_version(t)
+
+
+def _bump_all(ts: Sequence[torch.Tensor]) -> None:
+    """``_bump`` of every tensor in ``ts``, in one call."""
+    live = [t for t in ts if not t.is_inference()]
+    if live:
+        torch.autograd.graph.increment_version(live)
 
 
 def add_n(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -219,12 +259,19 @@ def _fake_accumulate_(dst, tensors):
     _check_same("accumulate_", list(tensors), dst, name="dst")
 
 
+def _fake_accumulate_grouped_(dsts, tensors):
+    n = len(dsts)
+    for i, dst in enumerate(dsts):
+        _check_same("accumulate_grouped_", list(tensors[i::n]), dst, name=f"dsts[{i}]")
+
+
 # Each fake names the op the user called, so a traced call fails with the eager call's error.
 torch.library.register_fake("torchstrategies::accumulate_n")(_fake_reduce("accumulate_n"))
 torch.library.register_fake("torchstrategies::tree_reduce")(_fake_reduce("tree_reduce"))
 torch.library.register_fake("torchstrategies::accumulate_n_out")(_fake_reduce_out("accumulate_n"))
 torch.library.register_fake("torchstrategies::tree_reduce_out")(_fake_reduce_out("tree_reduce"))
 torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
+torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
 
 
 def _setup_ctx(ctx, inputs, output):

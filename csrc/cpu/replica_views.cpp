@@ -56,9 +56,10 @@ struct Identity {
     return {t.storage().unsafeGetStorageImpl(), t.storage_offset(), t.scalar_type(), t.device(),
             t.sizes().vec(), t.strides().vec()};
   }
-  bool operator==(const Identity& o) const {
-    return storage == o.storage && offset == o.offset && dtype == o.dtype && device == o.device &&
-           sizes == o.sizes && strides == o.strides;
+  bool matches(const at::Tensor& t) const {
+    return storage == t.storage().unsafeGetStorageImpl() && offset == t.storage_offset() &&
+           dtype == t.scalar_type() && device == t.device() && t.sizes().equals(sizes) &&
+           t.strides().equals(strides);
   }
 };
 
@@ -122,7 +123,21 @@ class ReplicaViews {
     for (const auto& t : params) add(t, true);
     for (const auto& t : buffers) add(t, false);
     entries_ = std::move(next);
+    if (!live_.empty()) hold();  // (refreshed during a run: hold the new set, in its order)
+    flush();
   }
+
+  // The start of a run: holds every replicated tensor (strong references, so no view switch locks a
+  // weak one) until `end`, and copies P into every other component (`seed(true)`: whatever user code
+  // did between runs, `.data` writes included).
+  void begin() {
+    TORCH_CHECK(active_ < 0, "ReplicaViews.begin: replica ", active_, "'s view is active");
+    hold();
+    seed(true);
+  }
+
+  // The end of a run: lets go of what `begin` held.
+  void end() { live_.clear(); }
 
   // Copies P into every other component of the tensors cross-replica code wrote: all of them (`all`,
   // at the start of a run), else those whose version moved, whose P was replaced, or that were marked.
@@ -130,20 +145,19 @@ class ReplicaViews {
   void seed(bool all) {
     TORCH_CHECK(active_ < 0, "ReplicaViews.seed: replica ", active_, "'s view is active");
     at::NoGradGuard no_grad;
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       if (e.is_param && (!same(t.grad(), e.primary_grad) ||
                          (e.primary_grad.defined() && e.primary_grad._version() != e.handed_version))) {
         e.primary_grad = t.grad();
         hand_all(e, e.primary_grad);
       }
-      Identity now = Identity::of(t);
-      const bool replaced = !(now == e.identity);
+      const bool replaced = !e.identity.matches(t);
       if (!all && !replaced && !e.marked && t._version() == e.version) continue;
       if (replaced) {
-        e.identity = std::move(now);
+        e.identity = Identity::of(t);
         e.primary = t.variable_data();
       }
       for (size_t k = 0; k < devices_.size(); ++k) {
@@ -151,7 +165,7 @@ class ReplicaViews {
         at::Tensor& c = e.data[k];
         if (c.defined() && c.scalar_type() == t.scalar_type() && c.sizes() == t.sizes() &&
             c.device() == devices_[k]) {
-          c.copy_(e.primary);
+          copy_later(c, e.primary);
         } else {
           c = e.primary.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
         }
@@ -159,15 +173,16 @@ class ReplicaViews {
       e.version = t._version();
       e.marked = false;
     }
+    flush();
   }
 
   // Marks `tensors` as written by cross-replica code (for the next `seed`).
   void mark(const std::vector<at::Tensor>& tensors) {
     std::unordered_map<const c10::TensorImpl*, bool> wanted;
     for (const auto& t : tensors) wanted.emplace(t.unsafeGetTensorImpl(), true);
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (impl && wanted.count(impl.get())) e.marked = true;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      at::Tensor t = tensor(i);
+      if (t.defined() && wanted.count(t.unsafeGetTensorImpl())) entries_[i].marked = true;
     }
   }
 
@@ -175,10 +190,10 @@ class ReplicaViews {
   void enter(int64_t k) {
     TORCH_CHECK(active_ < 0, "ReplicaViews.enter(", k, "): replica ", active_, "'s view is active");
     TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(devices_.size()), "ReplicaViews.enter: no replica ", k);
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       if (owns_component(e, k)) {
         TORCH_CHECK(e.data[k].defined(), "ReplicaViews.enter: replica ", k, "'s component was not seeded");
         if (e.is_param) t.mutable_grad().reset();  // (a gradient must match the data's device)
@@ -194,11 +209,11 @@ class ReplicaViews {
   // backward's gradients are added to the sum once (replica 0 keeps it).
   void release() {
     if (active_ <= 0) return;
-    for (auto& e : entries_) {
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
       if (!e.is_param) continue;
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       if (t.grad().defined() && same(t.grad(), e.handed[active_])) t.mutable_grad().reset();
     }
   }
@@ -208,12 +223,12 @@ class ReplicaViews {
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> written() {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
-    for (auto& e : entries_) {
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
       if (!e.written) continue;
       e.written = false;
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       out.emplace_back(t, components(e, t, devices_.size()));
     }
     return out;
@@ -224,10 +239,10 @@ class ReplicaViews {
     const int64_t k = active_;
     if (k < 0) return;
     active_ = -1;
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       if (e.is_param) e.grads[k] = t.grad();
       if (t._version() != e.enter_version) e.written = true;
       if (owns_component(e, k)) {
@@ -244,11 +259,12 @@ class ReplicaViews {
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> gradients_to_sum() {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
-    for (auto& e : entries_) {
+    pending_.clear();
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
       if (!e.is_param) continue;
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       bool reduced = e.handed[0].defined();
       for (size_t k = 0; k < e.grads.size() && reduced; ++k) reduced = same(e.grads[k], e.handed[k]);
       if (reduced) {  // every replica still holds the sum it was handed: nothing to sum
@@ -266,6 +282,7 @@ class ReplicaViews {
       }
       if (grads.size() > 1) {
         out.emplace_back(t, std::move(grads));
+        pending_.push_back(i);
         continue;
       }
       at::Tensor total = grads.empty() ? at::Tensor() : grads[0];
@@ -273,6 +290,7 @@ class ReplicaViews {
       if (total.defined() && total.device() != t.device()) total = total.to(t.device());
       set_gradient(e, t, total);
     }
+    flush();
     return out;
   }
 
@@ -280,16 +298,15 @@ class ReplicaViews {
   void set_gradients(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& totals) {
     TORCH_CHECK(params.size() == totals.size(), "ReplicaViews.set_gradients: ", params.size(),
                 " parameters but ", totals.size(), " sums");
-    std::unordered_map<const c10::TensorImpl*, Entry*> index;
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (impl) index.emplace(impl.get(), &e);
-    }
+    TORCH_CHECK(params.size() == pending_.size(), "ReplicaViews.set_gradients: ", params.size(),
+                " parameters, but gradients_to_sum returned ", pending_.size());
     for (size_t i = 0; i < params.size(); ++i) {
-      auto it = index.find(params[i].unsafeGetTensorImpl());
-      TORCH_CHECK(it != index.end(), "ReplicaViews.set_gradients: parameter ", i, " is not replicated");
-      set_gradient(*it->second, params[i], totals[i]);
+      TORCH_CHECK(same(tensor(pending_[i]), params[i]), "ReplicaViews.set_gradients: parameter ", i,
+                  " is not the one gradients_to_sum returned there");
+      set_gradient(entries_[pending_[i]], params[i], totals[i]);
     }
+    pending_.clear();
+    flush();
   }
 
   // Fold, part 3 (the end of a run): (T, [replica k's value of T]) for every buffer, and for each
@@ -298,10 +315,10 @@ class ReplicaViews {
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> owned_components() {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (!impl) continue;
-      at::Tensor t(std::move(impl));
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      at::Tensor t = tensor(i);
+      if (!t.defined()) continue;
       if (e.is_param && !owns_component(e, 0)) continue;  // replica 0 wrote P itself
       out.emplace_back(t, components(e, t, e.is_param ? 1 : devices_.size()));
     }
@@ -310,9 +327,8 @@ class ReplicaViews {
 
   // What replica 0..N-1 holds for T now (T itself where that is P), or [T] if T is not replicated.
   std::vector<at::Tensor> components_of(const at::Tensor& t) {
-    for (auto& e : entries_) {
-      auto impl = e.ref.lock();
-      if (impl && impl.get() == t.unsafeGetTensorImpl()) return components(e, t, devices_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (same(tensor(i), t)) return components(entries_[i], t, devices_.size());
     }
     return {t};
   }
@@ -321,6 +337,33 @@ class ReplicaViews {
   size_t size() const { return entries_.size(); }
 
  private:
+  // T of entry i: held since `begin`, else locked from its weak reference (undefined if T is gone).
+  at::Tensor tensor(size_t i) const {
+    if (i < live_.size()) return live_[i];
+    return at::Tensor(entries_[i].ref.lock());
+  }
+
+  void hold() {
+    std::vector<at::Tensor> live;
+    live.reserve(entries_.size());
+    for (auto& e : entries_) live.emplace_back(e.ref.lock());
+    live_ = std::move(live);
+  }
+
+  // Queues dst.copy_(src); `flush` makes the queued copies in one grouped call (torch's _foreach_copy_).
+  // Every public method that queues flushes before it returns.
+  void copy_later(const at::Tensor& dst, const at::Tensor& src) {
+    copy_dst_.push_back(dst);
+    copy_src_.push_back(src);
+  }
+  void flush() {
+    if (copy_dst_.empty()) return;
+    at::NoGradGuard no_grad;
+    at::_foreach_copy_(copy_dst_, copy_src_);
+    copy_dst_.clear();
+    copy_src_.clear();
+  }
+
   // Whether replica k computes with a component of its own (not P).
   bool owns_component(const Entry& e, int64_t k) const {
     return k > 0 || e.identity.device != devices_[0];
@@ -350,7 +393,11 @@ class ReplicaViews {
                  x.scalar_type() == g.scalar_type() && x.sizes() == g.sizes() && x.strides() == g.strides() &&
                  x.device() == devices_[k] && !x.is_alias_of(g) &&
                  (k == 0 || !e.grads[0].defined() || !x.is_alias_of(e.grads[0]))) {
-        x.copy_(g);
+        if (k == 0) {
+          x.copy_(g);  // (now: its version is recorded below)
+        } else {
+          copy_later(x, g);
+        }
       } else {
         x = g.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
       }
@@ -375,6 +422,9 @@ class ReplicaViews {
 
   std::vector<at::Device> devices_;
   std::vector<Entry> entries_;
+  std::vector<at::Tensor> live_;     // entries_[i]'s tensor, held from `begin` to `end`
+  std::vector<size_t> pending_;      // the entries gradients_to_sum returned, in its order
+  std::vector<at::Tensor> copy_dst_, copy_src_;  // copies queued by copy_later
   int64_t active_ = -1;
 };
 
@@ -386,6 +436,8 @@ void init_replica_views_bindings(py::module_& m) {
                            "(csrc/cpu/replica_views.cpp, distribute/replicated.py).")
       .def(py::init<std::vector<at::Device>>(), py::arg("devices"))
       .def("refresh", &ReplicaViews::refresh, py::arg("params"), py::arg("buffers"))
+      .def("begin", &ReplicaViews::begin)
+      .def("end", &ReplicaViews::end)
       .def("seed", &ReplicaViews::seed, py::arg("all"))
       .def("mark", &ReplicaViews::mark, py::arg("tensors"))
       .def("enter", &ReplicaViews::enter, py::arg("replica"))

@@ -24,7 +24,7 @@ from torchstrategies.aggregation import AggregationMethod, _resolve, aggregate
 from torchstrategies.distribute import device_util, values
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.values import Destinations, DistributedValues, Mirrored, PerReplica, Reducible
-from torchstrategies.ops import FLOAT_DTYPES
+from torchstrategies.ops import FLOAT_DTYPES, accumulate_grouped_, tree_reduce
 from torchstrategies.reduce_op import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,6 +138,14 @@ class CrossDeviceOps:
     ) -> list[Any]:
         raise NotImplementedError
 
+    def sum_gradients(self, groups: Sequence[tuple[torch.device, list[torch.Tensor]]]) -> list[torch.Tensor]:
+        """The in-process fold's gradient sums (``distribute/replicated.py``): for each (device, the
+        replicas' gradients of one parameter), their sum on that device, which may be the group's first
+        tensor summed into in place (replica 0's own gradient, as DDP reduces into ``.grad``). Here: through
+        ``batch_reduce_implementation``, into new tensors."""
+        pairs: Pairs = [(PerReplica(tuple(grads)), (device,)) for device, grads in groups]
+        return self.batch_reduce_implementation(ReduceOp.SUM, pairs, None)
+
 
 class ReductionToOneDevice(CrossDeviceOps):
     """Copies all components to one device, sums them there, and copies the result back.
@@ -212,6 +220,44 @@ class ReductionToOneDevice(CrossDeviceOps):
             return aggregate(tensors, self._method, scale=scale)
         out = aggregate(tensors, AggregationMethod.ADD_N)
         return out / (1.0 / scale) if scale is not None else out
+
+    def sum_gradients(self, groups: Sequence[tuple[torch.device, list[torch.Tensor]]]) -> list[torch.Tensor]:
+        """As the base class, with the groups our kernels take (dense floating-point gradients on their
+        parameter's device, the sum's device, outside any graph) summed into their first tensor, all in
+        one grouped call per kernel: ``accumulate_grouped_`` (EXPERIMENTAL_ACCUMULATE_N), ``tree_reduce``
+        with ``out`` (EXPERIMENTAL_TREE) or ``torch._foreach_add_`` per replica (ADD_N)."""
+        if self._fn is not None:
+            return super().sum_gradients(groups)
+        totals: list[torch.Tensor | None] = [None] * len(groups)
+        inplace: dict[int, list[int]] = {}  # group size -> the groups of that size summed in place
+        rest: list[int] = []
+        for i, (device, grads) in enumerate(groups):
+            g0 = grads[0]
+            ok = (device == g0.device and (self.reduce_to_device is None or self.reduce_to_device == device)
+                  and g0.dtype in FLOAT_DTYPES and all(g.layout == torch.strided and not g.requires_grad
+                                                       for g in grads))
+            if ok:
+                inplace.setdefault(len(grads), []).append(i)
+            else:
+                rest.append(i)
+        with torch.no_grad():
+            for members in inplace.values():
+                firsts = [groups[i][1][0] for i in members]
+                others = [groups[i][1][1:] for i in members]
+                if self._method == AggregationMethod.EXPERIMENTAL_ACCUMULATE_N:
+                    accumulate_grouped_(firsts, others)
+                elif self._method == AggregationMethod.EXPERIMENTAL_TREE:
+                    for first, grads in zip(firsts, (groups[i][1] for i in members)):
+                        tree_reduce(grads, out=first)
+                else:
+                    for k in range(len(others[0])):
+                        torch._foreach_add_(firsts, [o[k] for o in others])
+                for i, first in zip(members, firsts):
+                    totals[i] = first
+        if rest:
+            for i, total in zip(rest, super().sum_gradients([groups[i] for i in rest])):
+                totals[i] = total
+        return totals  # type: ignore[return-value]
 
     def batch_reduce_implementation(
         self, op: ReduceOp, pairs: Pairs, options: CommunicationOptions | None

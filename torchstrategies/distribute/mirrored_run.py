@@ -292,15 +292,18 @@ class _Run:
         workers back. (A run that ended normally folded at replica 0's end, in ``sync``.)"""
         self.over = True
         self.views.leave()
-        for r in self.replicas[1:]:
-            if r.worker is None:
-                continue
-            if not r.done:
-                r.stop = True
-                with contextlib.suppress(BaseException):
-                    self._resume(r)
-            if r.done and r.worker is not None:
-                _pool.give(r.worker)
+        try:
+            for r in self.replicas[1:]:
+                if r.worker is None:
+                    continue
+                if not r.done:
+                    r.stop = True
+                    with contextlib.suppress(BaseException):
+                        self._resume(r)
+                if r.done and r.worker is not None:
+                    _pool.give(r.worker)
+        finally:
+            self.views.end()
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -372,8 +375,8 @@ def call_for_each_replica(
     previous = _local.replica
     _local.replica = r0
     try:
-        run.views.seed(True)  # whatever cross-replica code did since the last run
-        run.views.enter(0)
+        run.views.begin()  # holds the replicated tensors; seeds every component (whatever cross-replica
+        run.views.enter(0)  # code did since the last run)
         try:
             run.state.call(r0.call)  # (as on the workers: what fn does to torch's modes stays in it)
         finally:

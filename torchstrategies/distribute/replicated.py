@@ -121,8 +121,7 @@ class ReplicatedTensors:
         parameters they wrote."""
         pending = self.views.gradients_to_sum()
         if pending:
-            pairs: Pairs = [(PerReplica(tuple(grads)), (p.device,)) for p, grads in pending]
-            totals = self._ops.batch_reduce_implementation(ReduceOp.SUM, pairs, None)
+            totals = self._ops.sum_gradients([(p.device, grads) for p, grads in pending])
             self.views.set_gradients([p for p, _ in pending], totals)
         self.check_writes()
         if end:
