@@ -70,7 +70,8 @@ def test_tf_rows_are_interleaved_with_the_torch_rounds_and_the_ratio_column_uses
     rows = result.rows
     names = [r["runner"] for r in rows]
     assert names == [
-        "in-process torch eager", "in-process torch compiled", "in-process Mirrored(2) eager",
+        "in-process torch eager", "in-process torch compiled", "in-process torch eager, 2 slices",
+        "in-process torch compiled, 2 slices", "in-process Mirrored(2) eager",
         "in-process Mirrored(2) compiled", "TF 9.9.9-fake MirroredStrategy(2)", "TF 9.9.9-fake OneDeviceStrategy",
     ]
     by = {r["runner"]: r for r in rows}
@@ -82,12 +83,29 @@ def test_tf_rows_are_interleaved_with_the_torch_rounds_and_the_ratio_column_uses
     entries = _log(log)
     argv = entries[0]["argv"]
     assert argv[0] == str(tf_baseline.SCRIPT)
-    assert {"--replicas=2", "--threads=1", "--inter-op=2", "--sizes=784,1024,1024,10", "--batch=64",
+    # one torch thread: TF computes on one thread too (1 inter-op x 1 intra-op)
+    assert {"--replicas=2", "--threads=1", "--inter-op=1", "--sizes=784,1024,1024,10", "--batch=64",
             "--lr=0.01"} <= set(argv)
     requests = entries[1:]
     # one round of each TF row after each torch round: 3 rounds, compile steps = steps // 10, warm-up 3
     assert requests == [{"row": r, "steps": 2, "warmup": 3} for r in ("mirrored", "one_device")] * 3
-    assert len(order) == 3 * 4 * (2 + 3)
+    assert len(order) == 3 * 6 * (2 + 3)
+    for compiled in ("", " compiled"):  # Mirrored(2) over plain torch making the same two half-batch passes
+        m2 = by[f"in-process Mirrored(2){compiled or ' eager'}"]
+        ref = by[f"in-process torch{compiled or ' eager'}, 2 slices"]
+        assert m2[train_inproc.SAME_PASSES_COLUMN] == pytest.approx(m2["ms/step"] / ref["ms/step"])
+
+
+@pytest.mark.parametrize("threads, expected", [(1, ("--threads=1", "--inter-op=1")),
+                                               (2, ("--threads=1", "--inter-op=2")),
+                                               (4, ("--threads=2", "--inter-op=2"))])
+def test_tf_computes_on_as_many_threads_as_torch(tmp_path, threads, expected):
+    """torch's N intra-op threads against TF's inter-op x intra-op = N (2: TF's 2 replicas side by side on
+    one thread each); the TF process is only made, not started."""
+    python, _ = _fake(tmp_path)
+    tf = TFBaseline(python, replicas=2, threads=threads)
+    assert set(expected) <= set(tf.args)
+    assert tf.inter_op * tf.intra_op == threads
 
 
 @pytest.mark.timeout(60)

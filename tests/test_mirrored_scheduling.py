@@ -232,3 +232,49 @@ def test_local_gradient_sum_is_bit_for_bit_the_cross_device_ops_reduction(dtype)
         got.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_interrupts_run_while_a_replica_never_pauses():
+    """The scheduler waits for a replica without the GIL (csrc/cpu/replica_threads.cpp) yet runs Python's
+    signal handlers: SIGINT raises KeyboardInterrupt in the caller while replica 1 is still busy."""
+    import os
+    import signal
+
+    s = ts.MirroredStrategy(num_replicas=2)
+    release = threading.Event()
+
+    def busy():
+        if _rid() == 1:
+            release.wait(20)  # until the test lets it go (bounded)
+
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.run(busy)
+        assert not release.is_set()  # interrupted while replica 1 still waited, not after it returned
+    finally:
+        release.set()
+        timer.cancel()
+    assert s.experimental_local_results(s.run(_rid)) == (0, 1)  # (a fresh worker: the interrupted one is left)
+
+
+def test_the_baton_hands_over_both_ways_and_a_resume_past_its_timeout_is_false():
+    from torchstrategies._ext import _C
+
+    baton, turns = _C.Baton(), []
+
+    def worker():
+        baton.wait()
+        for i in range(3):
+            turns.append(f"worker {i}")
+            baton.pause()
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    for i in range(3):
+        assert baton.resume(None)
+        turns.append(f"scheduler {i}")
+    assert turns == [x for i in range(3) for x in (f"worker {i}", f"scheduler {i}")]
+    assert baton.resume(0.05) is False  # the worker never pauses again

@@ -199,3 +199,32 @@ def test_tree_reduce_error_is_smaller_than_sequential_on_badly_conditioned_float
     seq = (ts.ops.accumulate_n(ys).double() - exact64).abs().mean().item()
     tree = (ts.ops.tree_reduce(ys).double() - exact64).abs().mean().item()
     assert tree < seq / 2, (tree, seq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("per", [1, 3])
+def test_accumulate_grouped_is_accumulate_of_each_group_in_one_call(dtype, per):
+    shapes = [(0,), (7,), (3, 5), (4097,)]
+    dsts = [make(1, sh, dtype, seed=i)[0] for i, sh in enumerate(shapes)]
+    groups = [make(per, sh, dtype, seed=10 + i) for i, sh in enumerate(shapes)]
+    want = [ts.ops.accumulate_(d.clone(), g) for d, g in zip(dsts, groups)]
+    versions = [d._version for d in dsts]
+    ts.ops.accumulate_grouped_(dsts, groups)
+    for d, w in zip(dsts, want):
+        torch.testing.assert_close(d, w, rtol=0, atol=0)
+    assert all(d._version > v for d, v in zip(dsts, versions))  # autograd sees the in-place writes
+
+
+def test_accumulate_grouped_errors_name_the_group_and_the_problem():
+    a, b = torch.zeros(3), torch.zeros(4)
+    with pytest.raises(ValueError, match="2 destinations but 1 groups"):
+        ts.ops.accumulate_grouped_([a, b], [[a]])
+    with pytest.raises(ValueError, match="group 1 has 2 tensors, group 0 has 1"):
+        ts.ops.accumulate_grouped_([a, b], [[torch.ones(3)], [torch.ones(4), torch.ones(4)]])
+    with pytest.raises(ValueError, match=r"accumulate_grouped_: dsts\[1\] has shape \(4,\) but tensors\[0\] has "
+                                         r"shape \(5,\)"):
+        ts.ops.accumulate_grouped_([a, b], [[torch.ones(3)], [torch.ones(5)]])
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        ts.ops.accumulate_grouped_([w], [[torch.ones(3)]])
+    ts.ops.accumulate_grouped_([], [])  # nothing to do

@@ -191,3 +191,76 @@ def test_a_lazy_module_must_take_its_shapes_before_run_and_then_trains_like_one_
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("method", ["EXPERIMENTAL_ACCUMULATE_N", "EXPERIMENTAL_TREE", "ADD_N", "callable"])
+def test_the_fold_sums_into_replica_0s_own_gradient_with_every_aggregation_method(name, method):
+    """After backward() in run, replica 0's .grad is the very tensor autograd gave it, now holding the sum
+    (no new tensor per step, as DDP reduces into .grad), and the sum equals one device's gradient, whatever
+    kernel sums it; the other replicas hold a copy of their own."""
+    fn = (lambda ts_: torch.stack(ts_).sum(0)) if method == "callable" else getattr(ts.AggregationMethod, method)
+    ops = ts.ReductionToOneDevice(accumulation_fn=fn)
+    if name == "central_storage":
+        s = ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu", cross_device_ops=ops)
+    else:
+        s = ts.MirroredStrategy([f"cpu:{i}" for i in range(int(name[-1]))], cross_device_ops=ops)
+    torch.manual_seed(0)
+    with s.scope():
+        lin = nn.Linear(3, 2).double()
+    ref = nn.Linear(3, 2).double()
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(B, 3, dtype=torch.float64)
+    made: dict[int, torch.Tensor] = {}
+
+    def keep(p):
+        if p is lin.weight:
+            made[ts.get_replica_context().replica_id_in_sync_group] = p.grad
+
+    hook = lin.weight.register_post_accumulate_grad_hook(keep)
+
+    def step(xb):
+        ts.compute_average_loss(lin(xb).pow(2).sum(1), global_batch_size=B).backward()
+        return lin.weight.grad
+
+    grads = s.experimental_local_results(s.run(step, args=(_split(s, x),)))
+    hook.remove()
+    ref(x).pow(2).sum(1).div(B).sum().backward()
+    for g in grads:
+        torch.testing.assert_close(g, ref.weight.grad, rtol=1e-12, atol=0)
+    if method != "callable":
+        assert grads[0] is made[0]  # summed in place
+    assert all(g is not grads[0] for g in grads[1:])
+
+
+def test_a_refresh_inside_a_merge_keeps_every_replica_on_its_own_component():
+    """Cross-replica code inside run may look the replicated set up again (replica_components refreshes
+    it); the run goes on with every tensor it holds, and trains like one device."""
+    s = ts.MirroredStrategy(num_replicas=2)
+    torch.manual_seed(0)
+    with s.scope():
+        lin = nn.Linear(3, 1).double()
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    ref = nn.Linear(3, 1).double()
+    ref.load_state_dict(lin.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(B, 3, dtype=torch.float64)
+
+    def look(strategy):
+        comps = strategy.extended.replica_components(lin.weight)
+        assert len(comps) == 2 and comps[0] is lin.weight and comps[1] is not lin.weight
+
+    def step(xb):
+        opt.zero_grad()
+        ts.compute_average_loss(lin(xb).sum(1), global_batch_size=B).backward()
+        ts.get_replica_context().merge_call(look)
+        opt.step()
+        return lin.weight.detach().clone()
+
+    for _ in range(3):
+        seen = s.experimental_local_results(s.run(step, args=(_split(s, x),)))
+        ref_opt.zero_grad()
+        ref(x).sum(1).div(B).sum().backward()
+        ref_opt.step()
+        for v in seen:
+            torch.testing.assert_close(v, ref.weight.detach(), rtol=1e-12, atol=0)

@@ -20,8 +20,8 @@ import torch
 
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
-__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "SUPPORTED_DTYPES", "FLOAT_DTYPES",
-           "DTYPE_CODES"]
+__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "SUPPORTED_DTYPES",
+           "FLOAT_DTYPES", "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 T = TypeVar("T")

@@ -42,9 +42,12 @@ class TFBaseline:
     Args:
         python: a Python executable that can ``import tensorflow``.
         replicas: logical CPU devices of TF's MirroredStrategy.
-        threads: TF intra-op threads (the torch rows' ``torch.set_num_threads``).
-        inter_op: TF inter-op threads; None gives ``threads * replicas``: one per replica, as our
-            MirroredStrategy runs one Python thread per replica.
+        threads: the threads TF may compute on at once, the same as the torch rows
+            (``torch.set_num_threads``), so both use the same number of cores: TF runs ``inter_op``
+            inter-op threads (its replicas run side by side) of ``max(1, threads // inter_op)`` intra-op
+            threads each.
+        inter_op: TF inter-op threads; None gives ``min(threads, replicas)`` (1 thread: 1 x 1, as torch's
+            one thread; 2 threads and 2 replicas: 2 inter-op x 1 intra-op against torch's 2 intra-op).
         sizes / batch / lr: the MLP widths, global batch and SGD learning rate.
         ready_timeout / round_timeout: seconds to wait for ``ready`` and for each round.
 
@@ -68,9 +71,10 @@ class TFBaseline:
         if not python:
             raise ValueError(f"tf_python must name a Python executable, got {python!r}")
         self.python = python
-        self.inter_op = inter_op if inter_op is not None else threads * replicas
+        self.inter_op = inter_op if inter_op is not None else min(threads, replicas)
+        self.intra_op = max(1, threads // self.inter_op)
         self.args = [
-            f"--replicas={replicas}", f"--threads={threads}", f"--inter-op={self.inter_op}",
+            f"--replicas={replicas}", f"--threads={self.intra_op}", f"--inter-op={self.inter_op}",
             f"--sizes={','.join(map(str, sizes))}", f"--batch={batch}", f"--lr={lr}",
         ]
         self.ready_timeout = ready_timeout

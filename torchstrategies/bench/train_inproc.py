@@ -10,11 +10,14 @@ interleaved over ``rounds`` (medians):
   ``overhead us/replica`` column is ``(step time - plain torch N-slice step time) / N`` for N replicas:
   the strategy's own cost. ``above 1-pass torch us/replica`` is ``(step time - full-batch torch step) /
   N``, which also counts the extra forward/backward passes N replicas make on N smaller batches.
-* compile: the MLP 784-1024-1024-10, global batch 64, as plain torch and MirroredStrategy(2) on CPU,
-  eager and ``torch.compile``-d (the model compiled inside the scope). With ``tf_python`` (a Python that
-  has TensorFlow) the group also times TensorFlow's MirroredStrategy(2) and OneDeviceStrategy on the same
-  model (``tf_mirrored.py`` in a subprocess, one round of it after each torch round) and adds the column
-  ``vs TF Mirrored(2)``: a row's steps/s over TF MirroredStrategy(2)'s, both from this run.
+* compile: the MLP 784-1024-1024-10, global batch 64, as plain torch (full batch, and the same two
+  half-batch passes as two replicas make: ``2 slices``) and MirroredStrategy(2) on CPU, eager and
+  ``torch.compile``-d (the model compiled inside the scope). ``x torch same passes`` is a Mirrored(2)
+  row's step time over plain torch's 2-slice step time (eager over eager, compiled over compiled). With
+  ``tf_python`` (a Python that has TensorFlow) the group also times TensorFlow's MirroredStrategy(2) and
+  OneDeviceStrategy on the same model (``tf_mirrored.py`` in a subprocess, one round of it after each torch
+  round, on as many threads as torch) and adds the column ``vs TF Mirrored(2)``: a row's steps/s over TF
+  MirroredStrategy(2)'s, both from this run.
 
 ``torchstrategies bench inproc`` runs them alone; ``bench train`` appends them to its table.
 
@@ -42,13 +45,15 @@ if TYPE_CHECKING:
     from torchstrategies.bench.tf_baseline import TFBaseline
     from torchstrategies.distribute.distribute_lib import Strategy
 
-__all__ = ["run", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN", "COLUMNS"]
+__all__ = ["run", "OVERHEAD_SIZES", "COMPILE_SIZES", "TF_COLUMN", "SAME_PASSES_COLUMN", "COLUMNS"]
 
 OVERHEAD_SIZES = (64, 64, 10)
 COMPILE_BATCH = 64
 LR = 0.01
 TF_COLUMN = "vs TF Mirrored(2)"
-COLUMNS = ["runner", "samples/s", "ms/step", "steps/s", "overhead us/replica", "above 1-pass torch us/replica"]
+SAME_PASSES_COLUMN = "x torch same passes"
+COLUMNS = ["runner", "samples/s", "ms/step", "steps/s", "overhead us/replica", "above 1-pass torch us/replica",
+           SAME_PASSES_COLUMN]
 
 
 def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled: bool) -> Callable[[], None]:
@@ -133,9 +138,9 @@ def run(
             interleaved rounds.
         groups: "overhead" and/or "compile".
         threads: torch intra-op threads for the measurement (restored afterwards); None keeps the current.
-            TF's intra-op threads are the same number.
+            TF computes on as many threads (``TFBaseline``: inter-op x intra-op).
         tf_python: a Python executable with TensorFlow: adds TF's rows to the compile group (None: no TF).
-        tf_inter_op: TF inter-op threads; None gives one per replica (``TFBaseline``'s default).
+        tf_inter_op: TF inter-op threads; None gives ``min(threads, 2)`` (``TFBaseline``'s default).
 
     Returns:
         A BenchResult with :data:`COLUMNS` (and :data:`TF_COLUMN` with ``tf_python``), one row per case.
@@ -199,6 +204,8 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
         cases += [
             ("compile", "in-process torch eager", "torch", 1, s, b, False),
             ("compile", "in-process torch compiled", "torch", 1, s, b, True),
+            ("compile", "in-process torch eager, 2 slices", "torch", 2, s, b, False),
+            ("compile", "in-process torch compiled, 2 slices", "torch", 2, s, b, True),
             ("compile", "in-process Mirrored(2) eager", "mirrored", 2, s, b, False),
             ("compile", "in-process Mirrored(2) compiled", "mirrored", 2, s, b, True),
         ]
@@ -225,6 +232,9 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
     plain = {  # plain torch doing the work of N replicas
         c[3]: median(times[c[1]]) for c in cases if c[0] == "overhead" and c[2] == "torch"
     }
+    same_passes = {  # plain torch doing Mirrored(2)'s two half-batch passes, eager and compiled
+        c[6]: median(times[c[1]]) for c in cases if c[0] == "compile" and c[2] == "torch" and c[3] == 2
+    }
     tf_mirrored = median(times[tf_cases[0][1]]) if tf_cases else None
     out = []
     for group, name, kind, replicas, _sizes, batch, _compiled in cases:
@@ -233,6 +243,8 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
         if group == "overhead" and kind != "torch":
             row["overhead us/replica"] = 1e6 * (t - plain[replicas]) / replicas
             row["above 1-pass torch us/replica"] = 1e6 * (t - plain[1]) / replicas
+        if group == "compile" and kind == "mirrored":
+            row[SAME_PASSES_COLUMN] = t / same_passes[_compiled]
         if group == "compile" and tf_mirrored is not None:
             row[TF_COLUMN] = tf_mirrored / t
         if kind == "tf:mirrored" and tf is not None:

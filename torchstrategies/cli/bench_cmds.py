@@ -166,8 +166,9 @@ def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate
 
 def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
     """``--tf-python`` and ``--tf-inter-op``: the TF rows of ``bench train`` and ``bench inproc``."""
-    fn = count_option("--tf-inter-op", "tf_inter_op", "TF inter-op threads for the TF rows (default: one per "
-                      "replica; intra-op is the torch thread count).")(fn)
+    fn = count_option("--tf-inter-op", "tf_inter_op", "TF inter-op threads for the TF rows (default: as many "
+                      "as the torch threads, at most one per replica; TF computes on as many threads as torch: "
+                      "intra-op = torch threads // inter-op).")(fn)
     return click.option(
         "--tf-python",
         "tf_python",
