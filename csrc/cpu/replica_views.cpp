@@ -94,6 +94,7 @@ class ReplicaViews {
   // Makes `params` and `buffers` the replicated set; what is known of a tensor that stays is kept.
   void refresh(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers) {
     TORCH_CHECK(active_ < 0, "ReplicaViews.refresh: replica ", active_, "'s view is active");
+    drop_queued();
     std::unordered_map<const c10::TensorImpl*, size_t> old;
     for (size_t i = 0; i < entries_.size(); ++i) {
       auto t = entries_[i].ref.lock();
@@ -144,6 +145,7 @@ class ReplicaViews {
   // Also hands a cross-replica gradient that was (re)set (zero_grad, an assignment) to replica 0.
   void seed(bool all) {
     TORCH_CHECK(active_ < 0, "ReplicaViews.seed: replica ", active_, "'s view is active");
+    drop_queued();
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < entries_.size(); ++i) {
       Entry& e = entries_[i];
@@ -260,6 +262,7 @@ class ReplicaViews {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
     pending_.clear();
+    drop_queued();
     for (size_t i = 0; i < entries_.size(); ++i) {
       Entry& e = entries_[i];
       if (!e.is_param) continue;
@@ -300,6 +303,7 @@ class ReplicaViews {
                 " parameters but ", totals.size(), " sums");
     TORCH_CHECK(params.size() == pending_.size(), "ReplicaViews.set_gradients: ", params.size(),
                 " parameters, but gradients_to_sum returned ", pending_.size());
+    drop_queued();
     for (size_t i = 0; i < params.size(); ++i) {
       TORCH_CHECK(same(tensor(pending_[i]), params[i]), "ReplicaViews.set_gradients: parameter ", i,
                   " is not the one gradients_to_sum returned there");
@@ -351,7 +355,8 @@ class ReplicaViews {
   }
 
   // Queues dst.copy_(src); `flush` makes the queued copies in one grouped call (torch's _foreach_copy_).
-  // Every public method that queues flushes before it returns.
+  // Every public method that queues flushes before it returns, and drops what a call that raised left
+  // queued before it queues (a failed call writes nothing later).
   void copy_later(const at::Tensor& dst, const at::Tensor& src) {
     copy_dst_.push_back(dst);
     copy_src_.push_back(src);
@@ -360,6 +365,9 @@ class ReplicaViews {
     if (copy_dst_.empty()) return;
     at::NoGradGuard no_grad;
     at::_foreach_copy_(copy_dst_, copy_src_);
+    drop_queued();
+  }
+  void drop_queued() {
     copy_dst_.clear();
     copy_src_.clear();
   }
