@@ -15,7 +15,8 @@ cross-replica code runs, the replicas' writes are folded into the primary (gradi
 everything at the end of ``run``):
 
 * gradients are SUM (ON_READ): ``p.grad`` becomes the sum of the gradients the replicas have, through the
-  strategy's ``CrossDeviceOps`` (its ``AggregationMethod`` kernel); a parameter that no replica gave a
+  strategy's ``CrossDeviceOps.sum_gradients`` (its ``AggregationMethod`` kernel, all parameters in one
+  grouped call, into replica 0's own gradient in place where the kernel can); a parameter that no replica gave a
   gradient keeps ``.grad is None``; every replica then holds the sum (replica 0 the primary's gradient, the
   others a copy), and a fold that finds every replica still holding what it was handed sums nothing. A
   backward in replica k > 0 first drops its copy (``release``), so gradient accumulation across backward
