@@ -48,7 +48,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from torchstrategies._ext import _C
-from torchstrategies.distribute.buffers import mean_buffer_ids
+from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
@@ -91,6 +91,7 @@ class ReplicatedTensors:
             self._optimizers = [weakref.ref(o) for o in optimizers]
         params: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
+        mean_ids: set[int] = set()
         seen: set[int] = set()
         stack = modules[::-1]
         while stack:  # every module under the roots, in pre-order (what Module.modules() yields)
@@ -99,7 +100,11 @@ class ReplicatedTensors:
                 continue
             seen.add(id(m))
             params.extend(p for p in m._parameters.values() if p is not None)
-            buffers.extend(b for b in m._buffers.values() if b is not None)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    buffers.append(b)
+                    if is_mean_buffer(m, name):
+                        mean_ids.add(id(b))
             stack.extend(c for c in reversed(m._modules.values()) if c is not None)
         lazy = [t for t in params + buffers if isinstance(t, UninitializedTensorMixin)]
         if lazy:
@@ -112,7 +117,7 @@ class ReplicatedTensors:
         for opt in optimizers:
             for group in opt.param_groups:
                 params.extend(group["params"])
-        self._mean_ids = mean_buffer_ids(modules)
+        self._mean_ids = mean_ids
         self.views.refresh(params, buffers)
 
     def fold(self, end: bool) -> None:
