@@ -405,3 +405,45 @@ def set_timeout_while_calls_run(rank: int, world: int) -> list:
     t.join()
     g.set_timeout(timedelta(seconds=7))
     return [all(sums), _C.backend_timeout(backend)]
+
+
+def futures_of_calls(rank: int, world: int, impl: str) -> dict:
+    """A Work's future made before the call completes, after it completed, and of a failed call: each holds the
+    call's outputs (or its error), and asking twice gives the same future."""
+    g = group(impl, timeout=30.0)
+    total = float(world * (world + 1) // 2)
+    out: dict = {}
+    x = torch.full((4,), float(rank + 1))
+    w = dist.all_reduce(x, group=g, async_op=True)
+    before = w.get_future()  # asked for while the call may still be queued
+    got = before.wait()[0]
+    out["before"] = got.tolist() == [total] * 4 and got.data_ptr() == x.data_ptr()
+    y = torch.full((3,), float(rank + 1))
+    w = dist.all_reduce(y, group=g, async_op=True)
+    w.wait()
+    after = w.get_future()  # made after the call completed
+    out["after"] = after.done() and after.value()[0].tolist() == [total] * 3
+    after.value()[0].add_(1)  # the same future twice: the same outputs (y itself)
+    out["same"] = w.get_future().value()[0].tolist() == [total + 1] * 3 == y.tolist()
+    # A failed call (rank 0 reduces int16 x4, the others int8 x8): wait() raises, and so does its future,
+    # whether it was made before the call ended or after.
+    bad = torch.ones(4, dtype=torch.int16) if rank == 0 else torch.ones(8, dtype=torch.int8)
+    errors = []
+    for early in (True, False):
+        w = dist.all_reduce(bad, group=g, async_op=True)
+        f = w.get_future() if early else None
+        try:
+            w.wait()
+            errors.append("")
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append(f"{type(e).__name__}: {e}")
+        try:
+            (f or w.get_future()).wait()
+            errors.append("")
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append(f"{type(e).__name__}: {e}")
+    out["errors"] = errors
+    z = torch.full((2,), float(rank + 1))
+    dist.all_reduce(z, group=g)
+    out["next"] = z.tolist() == [total] * 2
+    return out

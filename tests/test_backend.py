@@ -137,3 +137,16 @@ def test_set_timeout_from_another_thread_reaches_the_backend_while_calls_run():
     # issue 38: setTimeout writes the timeout under the backend's lock, which every call reads it under
     for out in run_ranks(B.set_timeout_while_calls_run, 2, timeout=110):
         assert out == [True, 7.0], out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", ["SHM", "RING"])
+def test_a_works_future_holds_the_outputs_or_the_error_whether_asked_before_or_after_the_call_ends(impl):
+    # issue 41: the future is made on the first get_future() (most calls never ask for one), so it must be
+    # completed whichever comes first, the call's end or the request
+    for rank, out in enumerate(run_ranks(B.futures_of_calls, 2, args=(impl,), timeout=110)):
+        errors = out.pop("errors")
+        assert out == {"before": True, "after": True, "same": True, "next": True}, (rank, out)
+        assert len(errors) == 4 and all(
+            e.startswith("DistBackendError: torchstrategies ValueError: collective mismatch") for e in errors), (
+            rank, errors)

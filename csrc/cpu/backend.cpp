@@ -151,15 +151,39 @@ void unalias(std::vector<at::Tensor>& used) {
 }  // namespace
 
 Work::Work(int rank, OpType type, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type), outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+    : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  bool done;
+  {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    if (future_) return future_;
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    future = future_;
+    done = done_;  // made after the call completed: complete() has passed, it is settled here
+  }
+  if (done) settle(*future);
+  return future;
+}
 
 void Work::complete(std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    done_ = true;
+    error_ = error;
+    future = future_;  // made before: settled here, once (a later getFuture settles its own)
+  }
+  if (future) settle(*future);
   finish(error);
-  if (error) {
-    future_->setError(error);
+}
+
+void Work::settle(c10::ivalue::Future& future) const {
+  if (error_) {
+    future.setError(error_);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    future.markCompleted(c10::IValue(outputs_));
   }
 }
 
@@ -225,8 +249,8 @@ std::chrono::milliseconds Backend::timeout() const {
 
 c10::intrusive_ptr<c10d::Work> Backend::submit(OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                                std::chrono::milliseconds timeout, bool sync, Task task) {
-  auto work = c10::make_intrusive<Work>(getRank(), type, outputs);
-  Item item{work, span_name(desc.kind), std::move(outputs), timeout, std::move(task)};
+  auto work = c10::make_intrusive<Work>(getRank(), type, std::move(outputs));
+  Item item{work, span_name(desc.kind), timeout, std::move(task)};
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (item.timeout.count() < 0) item.timeout = timeout_;
@@ -262,9 +286,10 @@ void Backend::run(Item& item) {
   at::NoGradGuard no_grad;  // the copies back into the caller's tensors are not part of any graph
   std::exception_ptr error;
   {
-    RECORD_FUNCTION(item.span, std::vector<c10::IValue>(item.tensors.begin(), item.tensors.end()));
+    const std::vector<at::Tensor>& outputs = item.work->outputs();
+    RECORD_FUNCTION(item.span, std::vector<c10::IValue>(outputs.begin(), outputs.end()));
     try {
-      item.task(item.timeout);
+      item.task(item.timeout, outputs);
     } catch (const core::Fault& f) {
       error = to_error(f);
     } catch (...) {
@@ -295,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> Backend::delegate(OpType type, const core::CallDe
                                                  std::chrono::milliseconds timeout, bool sync,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op) {
   return submit(type, desc, std::move(outputs), timeout, sync,
-                [this, desc, gloo_op = std::move(gloo_op)](std::chrono::milliseconds t) {
+                [this, desc, gloo_op = std::move(gloo_op)](std::chrono::milliseconds t, const auto&) {
                   transport_->check(desc, core_seconds(t));
                   gloo_op()->wait(t + std::chrono::milliseconds(1));  // gloo's own timeout answers first
                 });
@@ -328,11 +353,13 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   unalias(used);
   const core::CallDesc desc = describe_call(core::kAllReduce, tensors, c10d_op);
   return submit(OpType::ALLREDUCE, desc, tensors, opts.timeout, !opts.asyncOp,
-                [this, tensors, used, dt = *dtype, op, desc](std::chrono::milliseconds t) {
+                [this, used = std::move(used), dt = *dtype, op, desc](std::chrono::milliseconds t,
+                                                                      const std::vector<at::Tensor>& outputs) {
                   std::vector<core::shm::Piece> pieces;
+                  pieces.reserve(used.size());
                   for (const auto& u : used) pieces.push_back({ptr(u), u.numel()});
                   transport_->all_reduce(pieces, dt, op, desc, core_seconds(t));
-                  copy_back(tensors, used);
+                  copy_back(outputs, used);
                 });
 }
 
@@ -357,11 +384,12 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   // Every tensor's broadcast carries the whole list's descriptor.
   const core::CallDesc desc = describe_call(core::kBroadcast, tensors, 0, root);
   return submit(OpType::BROADCAST, desc, tensors, opts.timeout, !opts.asyncOp,
-                [this, tensors, used, root, desc](std::chrono::milliseconds t) {
+                [this, used = std::move(used), root, desc](std::chrono::milliseconds t,
+                                                           const std::vector<at::Tensor>& outputs) {
                   for (const auto& u : used) {
                     transport_->broadcast(ptr(u), static_cast<size_t>(nbytes(u)), root, desc, core_seconds(t));
                   }
-                  if (getRank() != root) copy_back(tensors, used);
+                  if (getRank() != root) copy_back(outputs, used);
                 });
 }
 
@@ -385,7 +413,8 @@ c10::intrusive_ptr<c10d::Work> Backend::all_gather_pairs(OpType type, const std:
   }
   const core::CallDesc desc = describe_call(core::kAllGather, inputs);
   return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
-                [this, ins, outs, outputs, desc](std::chrono::milliseconds t) {
+                [this, ins = std::move(ins), outs = std::move(outs), desc](std::chrono::milliseconds t,
+                                                                           const std::vector<at::Tensor>& outputs) {
                   for (size_t i = 0; i < ins.size(); ++i) {
                     transport_->all_gather(ptr(ins[i]), ptr(outs[i]), static_cast<size_t>(nbytes(ins[i])), desc,
                                            core_seconds(t));
@@ -413,7 +442,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const at::Tensor flat = at::empty({getSize() * input.numel()}, input.options());
   const core::CallDesc desc = describe_call(core::kAllGather, {input});
   return submit(OpType::ALLGATHER, desc, outs, opts.timeout, !opts.asyncOp,
-                [this, in, flat, outs, desc](std::chrono::milliseconds t) {
+                [this, in, flat, desc](std::chrono::milliseconds t, const std::vector<at::Tensor>& outs) {
                   transport_->all_gather(ptr(in), ptr(flat), static_cast<size_t>(nbytes(in)), desc, core_seconds(t));
                   const int64_t n = in.numel();
                   for (size_t j = 0; j < outs.size(); ++j) {  // outputs of any layout (copy_ follows strides)
@@ -467,7 +496,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_pairs(OpType type, const 
   }
   const core::CallDesc desc = describe_call(core::kReduceScatter, inputs, c10d_op);
   return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
-                [this, ins, outs, outputs, dt = *dtype, op, desc](std::chrono::milliseconds t) {
+                [this, ins = std::move(ins), outs = std::move(outs), dt = *dtype, op, desc](
+                    std::chrono::milliseconds t, const std::vector<at::Tensor>& outputs) {
                   for (size_t i = 0; i < ins.size(); ++i) {
                     transport_->reduce_scatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, desc,
                                                core_seconds(t));
@@ -500,7 +530,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   return submit(OpType::BARRIER, describe_call(core::kBarrier, {}), {}, opts.timeout, !opts.asyncOp,
-                [this](std::chrono::milliseconds t) { transport_->barrier(core_seconds(t)); });
+                [this](std::chrono::milliseconds t, const auto&) { transport_->barrier(core_seconds(t)); });
 }
 
 at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {
@@ -509,7 +539,7 @@ at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {
   char* p = nullptr;
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
   auto w = submit(OpType::UNKNOWN, describe_call(core::kBuffer, {}), {}, std::chrono::milliseconds(-1), true,
-                  [this, keep, &p, bytes](std::chrono::milliseconds t) {
+                  [this, keep, &p, bytes](std::chrono::milliseconds t, const auto&) {
                     p = transport_->alloc_buffer(bytes, core_seconds(t), keep.get());
                   });
   w->wait();

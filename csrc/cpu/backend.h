@@ -46,13 +46,22 @@ class Work : public c10d::Work {
  public:
   Work(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  // Called once by the worker: the outputs are ready, or the collective failed with `error`.
+  const std::vector<at::Tensor>& outputs() const { return outputs_; }
+  // The future of this call, made on the first request (most calls are waited for and never asked for one:
+  // dist.all_reduce), completed with the outputs or the error whenever it is made, before or after the call.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // Called once, by the thread that ran the call: the outputs are ready, or the collective failed with
+  // `error`. A future already handed out completes before wait() returns.
   void complete(std::exception_ptr error);
 
  private:
+  void settle(c10::ivalue::Future& future) const;  // completes `future` with the outputs or the error
+
   std::vector<at::Tensor> outputs_;
+  std::mutex future_mu_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool done_ = false;
+  std::exception_ptr error_;
 };
 
 class Backend final : public c10d::Backend {
@@ -122,12 +131,11 @@ class Backend final : public c10d::Backend {
 
  private:
   // The work of one call, given the call's timeout (it converts it with core_seconds where it calls the
-  // transport).
-  using Task = std::function<void(std::chrono::milliseconds timeout)>;
+  // transport) and the call's outputs (the Work holds them: the task copies results into them).
+  using Task = std::function<void(std::chrono::milliseconds timeout, const std::vector<at::Tensor>& outputs)>;
   struct Item {
-    c10::intrusive_ptr<Work> work;
-    const char* span;                 // the profiler span's name
-    std::vector<at::Tensor> tensors;  // the span's inputs (their sizes)
+    c10::intrusive_ptr<Work> work;  // its outputs are also the span's inputs (their sizes)
+    const char* span;               // the profiler span's name
     std::chrono::milliseconds timeout;
     Task task;
     std::shared_ptr<at::ThreadLocalState> state;  // the caller's, for a queued call while a profiler is on
