@@ -406,7 +406,8 @@ class GradientSynchronizer:
         self._take_grad(bucket, i, param)
         bucket.ready[i] = True
         bucket.pending -= 1
-        self._launch_ready()
+        if bucket.pending == 0:  # (otherwise nothing new can be launched)
+            self._launch_ready()
 
     # --- the per-iteration state machine -----------------------------------------------------------------
     def _begin(self) -> None:
