@@ -198,8 +198,32 @@ def _check_uneven(rank, world):
     return out
 
 
+def _check_plain_optimizer_beside(rank, world):
+    """A torch optimizer over a model made outside the scope is left alone by the step pre-hook: its step
+    does not communicate (only rank 0 steps it), keeps the local gradient and adds no synchronizer."""
+    s = _strategy()
+    with s.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(IN, OUT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.nn.Linear(IN, OUT)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x = torch.full((2, IN), float(rank + 1))
+    plain(x).sum().backward()
+    local = plain.weight.grad.clone()
+    if rank == 0:
+        plain_opt.step()
+    model(x).sum().backward()
+    opt.step()
+    out = {"local": bool(torch.equal(plain.weight.grad, local)), "syncs": len(s.extended.gradient_synchronizers),
+           "model_grad": model.weight.grad.clone().numpy()}
+    s.shutdown()
+    return out
+
+
 def _body(rank, world):
     return {
+        "plain": _check_plain_optimizer_beside(rank, world),
         "no_sync": _check_no_sync(rank, world),
         "unused": _check_unused(rank, world),
         "twice": _check_backward_twice(rank, world),
@@ -241,6 +265,14 @@ def test_parameters_without_gradient_on_some_rank_do_not_hang(results):
         torch.testing.assert_close(torch.from_numpy(u["used_w"]), want_used)
         torch.testing.assert_close(torch.from_numpy(u["only0_w"]), x0.sum(0).expand(OUT, IN))  # rank 0's alone
         assert u["never"] == [True, True]
+
+
+def test_an_optimizer_of_a_model_outside_the_strategy_is_left_alone(results):
+    want = (torch.full((IN,), 1.0) + torch.full((IN,), 2.0)).expand(OUT, IN) * 2  # batch of 2 on each rank
+    for r in results:
+        p = r["plain"]
+        assert p["local"] and p["syncs"] == 1, p
+        torch.testing.assert_close(torch.from_numpy(p["model_grad"]), want)
 
 
 def test_backward_twice_before_step_sums_both_global_gradients(results):

@@ -251,9 +251,13 @@ class GradientSynchronizer:
 
     def _layout_changed(self) -> bool:
         """Whether a watched parameter became (un)trainable or changed dtype, device or shape."""
-        params = self.params
-        return [id(p) for p in self._wanted()] != [id(p) for p in params] or \
-            [(p.dtype, p.device, p.shape) for p in params] != self._layout
+        wanted = self._wanted()
+        if len(wanted) != len(self._refs):
+            return True
+        for p, ref, (dtype, device, shape) in zip(wanted, self._refs, self._layout):
+            if p is not ref() or p.dtype != dtype or p.device != device or p.shape != shape:
+                return True
+        return False
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of this synchronizer's (watched) parameters."""
@@ -267,13 +271,17 @@ class GradientSynchronizer:
         """Whether ``param.grad`` is what the last reduction left there (so reducing it again would count
         it twice): the reduced bucket view, or the reduced sparse tensor, not replaced since."""
         where = self._where.get(id(param))
+        if where is None or self._state != _REDUCED:
+            return False
         g = param.grad
-        if where is None or g is None or self._state != _REDUCED:
+        if g is None:
             return False
         b, i = where
+        view = b.views[i]
+        if g is view:
+            return True
         if g.layout != torch.strided:
             return g is b.sparse_grads[i]
-        view = b.views[i]
         return g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype
 
     def _keep_reduced(self, param: torch.Tensor, g: torch.Tensor) -> None:
@@ -398,7 +406,8 @@ class GradientSynchronizer:
         self._take_grad(bucket, i, param)
         bucket.ready[i] = True
         bucket.pending -= 1
-        self._launch_ready()
+        if bucket.pending == 0:  # (otherwise nothing new can be launched)
+            self._launch_ready()
 
     # --- the per-iteration state machine -----------------------------------------------------------------
     def _begin(self) -> None:

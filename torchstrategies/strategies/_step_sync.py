@@ -73,19 +73,21 @@ class Synchronizers:
         optimizer._torchstrategies_mwms_syncs = (self, self._generation, found, owners)  # type: ignore[attr-defined]
         return found, owners
 
-    def watches(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether some parameter of ``optimizer`` belongs to this strategy."""
-        return bool(self.for_optimizer(optimizer)[0])
-
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Finishes the reductions in flight (and what ``no_sync`` left pending), then reduces every gradient
-        the step would apply that no backward reduced (see the module docstring)."""
+        the step would apply that no backward reduced (see the module docstring).
+
+        Returns:
+            Whether ``optimizer`` has parameters of this strategy (False: nothing was done).
+        """
         syncs, owners = self.for_optimizer(optimizer)
+        if not syncs:
+            return False
         for s in syncs:
             s.before_step()
         unproven = [(p, o) for p, o in owners if _needs_reduction(p, o)]
         if not unproven:
-            return
+            return True
         params = [p for p, _ in unproven]
         self._make(params, False).reduce_now()  # the optimizer's order: the same on every rank
         for s in syncs:
@@ -95,6 +97,7 @@ class Synchronizers:
             sync = self._make(strays, True)
             sync.take_reduced(strays)
             self.add(sync)
+        return True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -118,31 +121,36 @@ def _needs_reduction(p: torch.nn.Parameter, owner: GradientSynchronizer | None) 
     return p.grad is not None and not owner.proven(p)
 
 
-def average_buffers(named: list[tuple[str, torch.Tensor]], mean_ids: set[int],
-                    all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int) -> None:
+def average_buffers(buffers: list[torch.Tensor], mean_ids: set[int],
+                    all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
+                    name_of: Callable[[torch.Tensor], str]) -> None:
     """Buffers declared MEAN (``id`` in ``mean_ids``, ``distribute/buffers.py``) become their mean over the
     ranks; every other buffer must be bit for bit equal on every rank.
+
+    Args:
+        name_of: a buffer's name for the error (called only then).
 
     Raises:
         ReplicaDivergenceError: a buffer not declared MEAN differs between ranks (named).
     """
-    means = [b for _, b in named if id(b) in mean_ids]
+    means = [b for b in buffers if id(b) in mean_ids]
     if means:
         reduced = all_reduce(ReduceOp.MEAN, means)
         with torch.no_grad():
             for b, v in zip(means, reduced):
                 b.copy_(v)
-    others = [(n, b) for n, b in named if id(b) not in mean_ids]
+    others = [b for b in buffers if id(b) not in mean_ids]
     if not others:
         return
-    bits = [_bits(b) for _, b in others]
+    bits = [_bits(b) for b in others]
     flat = torch.cat(bits)
     (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])   # equal everywhere iff max == min
     n = flat.numel()
     off = 0
-    for (name, b), x in zip(others, bits):
+    for b, x in zip(others, bits):
         k = x.numel()
         if not (torch.equal(most[off:off + k], x) and torch.equal(-most[n + off:n + off + k], x)):
+            name = name_of(b)
             kind = "integer buffer" if not (b.is_floating_point() or b.is_complex()) else "buffer"
             declare = "" if kind == "integer buffer" else (
                 ", or, if the ranks' copies should be averaged (a running statistic), declare it: "

@@ -51,7 +51,7 @@ from torchstrategies.cluster_resolver import (
 )
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.collectives import debug as collective_debug
-from torchstrategies.distribute.buffers import mean_buffer_ids
+from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
@@ -376,9 +376,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
         (``_step_sync.py``), and the buffers of the modules made in the scope are made equal on every rank
         (the one point per step where buffers are synchronized, docs/strategies.md)."""
-        if not self._synchronizers.watches(optimizer):
+        if not self._synchronizers.before_step(optimizer):
             return  # an optimizer of another strategy, or of plain torch beside the strategy
-        self._synchronizers.before_step(optimizer)
         self.sync_buffers()
         self.divergence_check.on_step(self.named_parameters)
 
@@ -417,8 +416,25 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             ReplicaDivergenceError: a buffer not declared MEAN (e.g. ``num_batches_tracked``, a queue)
                 differs between ranks.
         """
-        modules = [m for m in (r() for r in self._modules) if m is not None]
-        average_buffers(self._named(buffers=True), mean_buffer_ids(modules), self.all_reduce_tensors, self._rank)
+        # One walk over the modules a step (no names: they are made only for an error, by _named).
+        tensors: list[torch.Tensor] = []
+        mean_ids: set[int] = set()
+        seen: set[int] = set()
+        for root in (r() for r in self._modules):
+            for m in () if root is None else root.modules():
+                for name, b in m._buffers.items():
+                    if b is None:
+                        continue
+                    if is_mean_buffer(m, name):
+                        mean_ids.add(id(b))
+                    if id(b) not in seen:
+                        seen.add(id(b))
+                        tensors.append(b)
+        if tensors:
+            average_buffers(tensors, mean_ids, self.all_reduce_tensors, self._rank, self._buffer_name)
+
+    def _buffer_name(self, buffer: torch.Tensor) -> str:
+        return next(n for n, b in self._named(buffers=True) if b is buffer)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
