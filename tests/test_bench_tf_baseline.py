@@ -71,7 +71,7 @@ def test_tf_rows_are_interleaved_with_the_torch_rounds_and_the_ratio_column_uses
     names = [r["runner"] for r in rows]
     assert names == [
         "in-process torch eager", "in-process torch compiled", "in-process torch eager, 2 slices",
-        "in-process torch compiled, 2 slices", "in-process Mirrored(2) eager",
+        "in-process torch compiled, 2 slices", "in-process torch eager, 2 own copies", "in-process Mirrored(2) eager",
         "in-process Mirrored(2) compiled", "TF 9.9.9-fake MirroredStrategy(2)", "TF 9.9.9-fake OneDeviceStrategy",
     ]
     by = {r["runner"]: r for r in rows}
@@ -89,11 +89,14 @@ def test_tf_rows_are_interleaved_with_the_torch_rounds_and_the_ratio_column_uses
     requests = entries[1:]
     # one round of each TF row after each torch round: 3 rounds, compile steps = steps // 10, warm-up 3
     assert requests == [{"row": r, "steps": 2, "warmup": 3} for r in ("mirrored", "one_device")] * 3
-    assert len(order) == 3 * 6 * (2 + 3)
+    assert len(order) == 3 * 7 * (2 + 3)
     for compiled in ("", " compiled"):  # Mirrored(2) over plain torch making the same two half-batch passes
         m2 = by[f"in-process Mirrored(2){compiled or ' eager'}"]
         ref = by[f"in-process torch{compiled or ' eager'}, 2 slices"]
         assert m2[train_inproc.SAME_PASSES_COLUMN] == pytest.approx(m2["ms/step"] / ref["ms/step"])
+    copies = by["in-process torch eager, 2 own copies"]
+    assert copies[train_inproc.SAME_PASSES_COLUMN] == pytest.approx(
+        copies["ms/step"] / by["in-process torch eager, 2 slices"]["ms/step"])
 
 
 @pytest.mark.parametrize("threads, expected", [(1, ("--threads=1", "--inter-op=1")),

@@ -57,3 +57,34 @@ def test_bench_inproc_command_prints_the_rows_as_one_table(tmp_path):
     ]
     assert all(isinstance(row["overhead us/replica"], float) for row in data["rows"][3:])
     assert data["meta"]["groups"] == ["overhead"] and "1 torch thread(s)" in data["title"]
+
+
+def test_the_own_copies_baseline_trains_like_one_full_batch_step(monkeypatch):
+    """The compile group's '2 own copies' row is plain torch doing what replicas owning their copies must
+    do; it must compute the same training as one device (else its time is no floor of anything)."""
+    import torch
+
+    made = []
+    real = train_inproc._mlp
+
+    def capture(sizes):
+        m = real(sizes).double()
+        made.append(m)
+        return m
+
+    monkeypatch.setattr(train_inproc, "_mlp", capture)
+    sizes, batch = (5, 4, 3), 8
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 5, dtype=torch.float64), torch.randint(0, 3, (batch,))
+    step = train_inproc._own_copies(sizes, 2, x, y, batch, False)
+    (first,) = made  # copy 1 is its deep copy: a stale copy-back would change copy 0's next gradient
+    ref = real(sizes).double()
+    ref.load_state_dict(first.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=train_inproc.LR)
+    for _ in range(3):
+        step()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y, reduction="none").sum().div(batch).backward()
+        opt.step()
+    for a, b in zip(first.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -13,7 +13,9 @@ interleaved over ``rounds`` (medians):
 * compile: the MLP 784-1024-1024-10, global batch 64, as plain torch (full batch, and the same two
   half-batch passes as two replicas make: ``2 slices``) and MirroredStrategy(2) on CPU, eager and
   ``torch.compile``-d (the model compiled inside the scope). ``x torch same passes`` is a Mirrored(2)
-  row's step time over plain torch's 2-slice step time (eager over eager, compiled over compiled). With
+  row's step time over plain torch's 2-slice step time (eager over eager, compiled over compiled). ``2 own
+  copies`` is plain torch doing by hand what two replicas that each own a copy of the model must do (a pass
+  per copy, the gradient sum handed to both, the update copied): the floor of that design. With
   ``tf_python`` (a Python that has TensorFlow) the group also times TensorFlow's MirroredStrategy(2) and
   OneDeviceStrategy on the same model (``tf_mirrored.py`` in a subprocess, one round of it after each torch
   round, on as many threads as torch) and adds the column ``vs TF Mirrored(2)``: a row's steps/s over TF
@@ -57,7 +59,8 @@ COLUMNS = ["runner", "samples/s", "ms/step", "steps/s", "overhead us/replica", "
 
 
 def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled: bool) -> Callable[[], None]:
-    """One training step of ``kind`` ("torch", "one_device", "mirrored") as a no-argument function."""
+    """One training step of ``kind`` ("torch", "torch-copies", "one_device", "mirrored") as a no-argument
+    function."""
     import torch
 
     import torchstrategies as ts
@@ -86,6 +89,8 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
             opt.step()
 
         return sliced
+    if kind == "torch-copies":
+        return _own_copies(sizes, replicas, x, y, batch, compiled)
     strategy: Strategy = (
         ts.OneDeviceStrategy("cpu") if kind == "one_device" else ts.MirroredStrategy(num_replicas=replicas)
     )
@@ -109,6 +114,45 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
 
     def step() -> None:
         strategy.run(replica_step, args=(xs, ys))
+
+    return step
+
+
+def _own_copies(sizes: Sequence[int], replicas: int, x: torch.Tensor, y: torch.Tensor, batch: int,
+                compiled: bool) -> Callable[[], None]:
+    """Plain torch doing by hand what replicas that own their copy of the model must do, in one thread: a
+    pass per slice on its own copy, the gradients summed into copy 0's and the sum copied into every other
+    copy's gradient (each replica holds the global gradient), one step, the update copied into every
+    other copy. The floor of any engine of that design (what Mirrored(N) adds above it is its own)."""
+    import copy
+
+    import torch
+
+    models = [_mlp(sizes)]
+    models += [copy.deepcopy(models[0]) for _ in range(replicas - 1)]
+    opt = torch.optim.SGD(models[0].parameters(), lr=LR)
+    fwds = [torch.compile(m) if compiled else m for m in models]
+    params: list[list[torch.Tensor]] = [list(m.parameters()) for m in models]
+    slices = list(zip(x.chunk(replicas), y.chunk(replicas), strict=True))
+
+    def grads(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p.grad for p in ps if p.grad is not None]
+
+    def step() -> None:
+        for m in models:
+            m.zero_grad()
+        for fwd, (xb, yb) in zip(fwds, slices, strict=True):
+            torch.nn.functional.cross_entropy(fwd(xb), yb, reduction="none").sum().div(batch).backward()
+        with torch.no_grad():
+            first = grads(params[0])
+            for ps in params[1:]:
+                torch._foreach_add_(first, grads(ps))
+            for ps in params[1:]:
+                torch._foreach_copy_(grads(ps), first)
+        opt.step()
+        with torch.no_grad():
+            for ps in params[1:]:
+                torch._foreach_copy_(ps, params[0])
 
     return step
 
@@ -206,6 +250,7 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
             ("compile", "in-process torch compiled", "torch", 1, s, b, True),
             ("compile", "in-process torch eager, 2 slices", "torch", 2, s, b, False),
             ("compile", "in-process torch compiled, 2 slices", "torch", 2, s, b, True),
+            ("compile", "in-process torch eager, 2 own copies", "torch-copies", 2, s, b, False),
             ("compile", "in-process Mirrored(2) eager", "mirrored", 2, s, b, False),
             ("compile", "in-process Mirrored(2) compiled", "mirrored", 2, s, b, True),
         ]
@@ -243,7 +288,7 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
         if group == "overhead" and kind != "torch":
             row["overhead us/replica"] = 1e6 * (t - plain[replicas]) / replicas
             row["above 1-pass torch us/replica"] = 1e6 * (t - plain[1]) / replicas
-        if group == "compile" and kind == "mirrored":
+        if group == "compile" and kind in ("mirrored", "torch-copies"):
             row[SAME_PASSES_COLUMN] = t / same_passes[_compiled]
         if group == "compile" and tf_mirrored is not None:
             row[TF_COLUMN] = tf_mirrored / t
