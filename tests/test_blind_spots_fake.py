@@ -83,7 +83,7 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
         out.append((xs, dtype.is_floating_point))
     cases: dict[str, list[tuple]] = {name: [] for name in
                                      ("accumulate_n", "tree_reduce", "accumulate_n_out", "tree_reduce_out",
-                                      "accumulate_")}
+                                      "accumulate_", "accumulate_grouped_")}
     for xs, floating in out:
         scales = (None, 0.5) if floating else (None,)
         for scale in scales:
@@ -92,6 +92,9 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
             cases["accumulate_n_out"].append((xs, scale, torch.empty_like(xs[0])))
             cases["tree_reduce_out"].append((xs, scale, torch.empty_like(xs[0])))
         cases["accumulate_"].append((xs[0].clone(), xs[1:]))
+        # two destinations (the second of another shape), two tensors each: [t0 of each, t1 of each]
+        other = [x[: max(1, x.numel() // 2)].clone() for x in xs]
+        cases["accumulate_grouped_"].append(([xs[0].clone(), other[0]], [xs[1], other[1], xs[2], other[2]]))
     return cases
 
 

@@ -180,17 +180,20 @@ def test_accumulate_inplace_noncontiguous_and_aliased_is_bit_identical_for_every
 
 
 def test_mirrored_gradient_sum_runs_the_split_kernel_at_torchs_thread_count(monkeypatch) -> None:
-    """MirroredStrategy sums the replicas' gradients with ops.accumulate_n (its default
-    ReductionToOneDevice): on the scheduling thread, at torch's thread count, so a large gradient is
-    split over the pool, and the summed gradient has the same bits at every thread count."""
+    """MirroredStrategy sums the replicas' gradients with ops.accumulate_grouped_ (its default
+    ReductionToOneDevice, EXPERIMENTAL_ACCUMULATE_N): on the scheduling thread, at torch's thread count, so
+    a large gradient is split over the pool, and the summed gradient has the same bits at every thread
+    count."""
+    from torchstrategies.distribute import cross_device_ops
+
     seen: list[tuple[int, int]] = []
-    real = ts.ops.accumulate_n
+    real = cross_device_ops.accumulate_grouped_
 
-    def spy(tensors, *args, **kwargs):
-        seen.append((torch.get_num_threads(), len(C.reduce_ranges(tensors[0].numel()))))
-        return real(tensors, *args, **kwargs)
+    def spy(dsts, groups):
+        seen.extend((torch.get_num_threads(), len(C.reduce_ranges(d.numel()))) for d in dsts)
+        return real(dsts, groups)
 
-    monkeypatch.setattr(ts.ops, "accumulate_n", spy)
+    monkeypatch.setattr(cross_device_ops, "accumulate_grouped_", spy)
     x = torch.randn(6, SIDE, generator=torch.Generator().manual_seed(3))
 
     def gradient() -> torch.Tensor:
