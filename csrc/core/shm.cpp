@@ -294,15 +294,16 @@ void Comm::wait_all(uint64_t target, double timeout_s, const char* what) {
     return true;
   };
   // Spin budget: spinning only helps while the missing ranks can run at the same time as us. With more
-  // ranks than CPUs, or a missing rank that last arrived on our own CPU (so it cannot be running now),
-  // go to sleep almost at once and let the kernel run it.
+  // ranks than CPUs, go to sleep almost at once and let the kernel run them; else spin up to 50 us.
+  // (A shorter spin when a missing rank last arrived on our own CPU was dropped by measurement, issue 41:
+  // in DDP/MWMS training, where a rank's threads move between CPUs, it made MWMS 87.4% / 88.0% of the
+  // no-communication rate against 92.6% / 91.8% with 50 us always; docs/collectives.md.)
   static const long ncpu = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
   // TORCHSTRATEGIES_SHM_SPIN_US=N forces a spin budget of N microseconds in every case (for tuning).
   static const double forced_spin_s = [] {
     const char* v = std::getenv("TORCHSTRATEGIES_SHM_SPIN_US");
     return v && *v ? std::max(0.0, std::atof(v)) * 1e-6 : -1.0;
   }();
-  const int my_cpu = sched_getcpu();
   const bool oversubscribed = world_ > ncpu;
   double start = -1.0, last_live = 0.0;
   double spin_s = oversubscribed ? 3e-6 : 50e-6;
@@ -328,17 +329,7 @@ void Comm::wait_all(uint64_t target, double timeout_s, const char* what) {
     const double t = now_s();
     if (start < 0) {
       start = last_live = t;
-      if (forced_spin_s >= 0) {
-        spin_s = forced_spin_s;
-      } else if (my_cpu >= 0 && !oversubscribed) {
-        for (int j = 0; j < world_; ++j) {
-          if (j != rank_ && hdr_->ranks[j].arrive.load(std::memory_order_acquire) < target &&
-              hdr_->ranks[j].cpu.load(std::memory_order_relaxed) == my_cpu) {
-            spin_s = 3e-6;
-            break;
-          }
-        }
-      }
+      if (forced_spin_s >= 0) spin_s = forced_spin_s;
     }
     const double waited = t - start;
     if (waited < spin_s) {
@@ -385,7 +376,6 @@ void Comm::sync(uint64_t d0, uint64_t d1, uint64_t d2, double timeout_s, const c
   me.desc[par][1] = d1;
   me.desc[par][2] = d2;
   me.call[par] = call_;
-  me.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   me.arrive.store(target, std::memory_order_release);
   if (world_ == 1) return;
   notify();

@@ -39,7 +39,6 @@ constexpr int kMaxRanks = 128;
 struct alignas(64) RankCtl {
   std::atomic<uint64_t> arrive;  // number of barriers this rank has entered
   std::atomic<int32_t> pid;      // 0 until the rank has mapped the segment
-  std::atomic<int32_t> cpu;      // the CPU this rank last arrived on (a hint for the wait policy)
   uint64_t desc[2][3];  // barrier descriptor per barrier parity: {kind|op|dtype, count, extra}
   CallDesc call[2];     // the caller's call descriptor per barrier parity (Comm::set_call)
 };
