@@ -6,8 +6,7 @@
 // passes a barrier, then reads peers' slots of parity b. Rounds alternate parity, and a round is always
 // separated from the round two before it by a barrier, so no slot is overwritten while it is read.
 //
-// Waits spin briefly (up to ~50 us when every rank can have its own core and the ranks still missing
-// last ran on another CPU than ours; a few us otherwise), then sleep on a futex in the segment (woken
+// Waits spin briefly (up to ~50 us when every rank can have its own core; a few us otherwise), then sleep on a futex in the segment (woken
 // at once by every arrival; a 5 ms timeout bounds each sleep), so that more ranks than cores, or a
 // peer sharing our CPU with other jobs, still progress without burning its time slice. Every
 // wait is bounded by a timeout and polls the pids of the ranks that have not arrived; a timeout, a dead
