@@ -1,6 +1,8 @@
 // Shared-memory segment and sync protocol (see shm.h for the design).
 #include "core/shm.h"
 
+#include "core/cpus.h"
+
 #include <errno.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -298,7 +300,7 @@ void Comm::wait_all(uint64_t target, double timeout_s, const char* what) {
   // (A shorter spin when a missing rank last arrived on our own CPU was dropped by measurement, issue 41:
   // in DDP/MWMS training, where a rank's threads move between CPUs, it made MWMS 87.4% / 88.0% of the
   // no-communication rate against 92.6% / 91.8% with 50 us always; docs/collectives.md.)
-  static const long ncpu = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+  static const long ncpu = core::usable_cpus();  // this process's CPUs: affinity and cgroup quota
   // TORCHSTRATEGIES_SHM_SPIN_US=N forces a spin budget of N microseconds in every case (for tuning).
   static const double forced_spin_s = [] {
     const char* v = std::getenv("TORCHSTRATEGIES_SHM_SPIN_US");

@@ -21,6 +21,8 @@
 
 #include <ATen/ThreadLocalState.h>
 
+#include "core/cpus.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -41,12 +43,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a waiting thread spins before it sleeps: only where the other thread can run on another CPU.
-// Measured (bench inproc --threads 1, MLP 64-64-10, 2026-11-27, load about 1.1): Mirrored(2)'s overhead
-// was 187 us per replica with 50 us of spin (a replica's part between merges is often longer, and the
-// sleeper then pays an idle CPU's wake-up), 72 / 76 / 75 us with 300 / 1000 / 3000 us.
+// How long a waiting thread spins before it sleeps: only where the other thread can run on another CPU of
+// this process (its affinity and cgroup quota: core/cpus.h; a 1-CPU container never spins), decided when
+// the extension loads. Measured (bench inproc --threads 1, MLP 64-64-10, 2026-11-27, load about 1.1):
+// Mirrored(2)'s overhead was 187 us per replica with 50 us of spin (a replica's part between merges is often
+// longer, and the sleeper then pays an idle CPU's wake-up), 72 / 76 / 75 us with 300 / 1000 / 3000 us.
 const Clock::duration kSpin =
-    std::thread::hardware_concurrency() > 1 ? std::chrono::microseconds(300) : Clock::duration::zero();
+    core::usable_cpus() > 1 ? std::chrono::microseconds(300) : Clock::duration::zero();
 // The scheduler's sleep slice: how often it looks at Python's signals while a replica runs.
 constexpr auto kSlice = std::chrono::milliseconds(50);
 
@@ -145,7 +148,15 @@ void init_replica_threads_bindings(py::module_& m) {
       .def("resume", &Baton::resume, py::arg("timeout"),
            "Scheduler: lets the worker run until it pauses; False after timeout seconds (None: no limit).")
       .def("pause", &Baton::pause, "Worker: hands back to the scheduler and waits for its next turn.")
-      .def("wait", &Baton::wait, "Worker: waits for its first turn.");
+      .def("wait", &Baton::wait, "Worker: waits for its first turn.")
+      .def_property_readonly_static(
+          "spin_us", [](const py::object&) { return std::chrono::duration_cast<std::chrono::microseconds>(kSpin).count(); },
+          "How long a waiting side spins before it sleeps (0 where this process has one usable CPU).");
+  m.def("usable_cpus", py::overload_cast<>(&core::usable_cpus),
+        "The CPUs this process can run on at once: its affinity mask capped by its cgroup CPU quota.");
+  m.def("usable_cpus_in", py::overload_cast<const std::string&, const std::string&>(&core::usable_cpus),
+        py::arg("cgroup_root"), py::arg("proc_self_cgroup"),
+        "usable_cpus() with the cgroup files read under cgroup_root for the given /proc/self/cgroup text.");
   py::class_<ThreadState>(m, "ThreadState",
                           "torch's thread-local state (grad mode, autocast, ...) of the thread that made it.")
       .def(py::init<>())
