@@ -12,7 +12,8 @@ median), plus, per case, the bytes each host's veth counted per call and the lin
 
 Columns: nccl-tests' algbw and busbw (``busbw = algbw * 2(n-1)/n``), the speed-up over gloo, busbw as a
 fraction of the line rate, the bytes each host sent per call (veth counter, mean over hosts) against the
-theory of the plan (:func:`link_theory`), and the call's time over the measured round trip.
+theory of the plan (:func:`link_theory`), and, for small messages, the time per call of calls back to back
+over the measured round trip.
 
 Example (as root):
     >>> from torchstrategies.bench import allreduce_hosts
@@ -44,27 +45,36 @@ IMPLEMENTATIONS = ["gloo", "ring", "hierarchical", "auto", "dist-backend"]
 COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo",
            "fraction_of_line_rate", "link_bytes_per_host", "link_theory", "link_vs_theory", "latency_vs_rtt"]
 MASTER_PORT = 29500  # free: every namespace is new
+SMALL_SIZE = 64 << 10  # latency_vs_rtt is shown up to this size (beyond it the link's rate, not its delay, counts)
 
 
-def link_theory(impl: str, size: int, hosts: int, ranks_per_host: int) -> float | None:
+def link_theory(impl: str, size: int, hosts: int, ranks_per_host: int, small_bytes: int | None = None
+                ) -> float | None:
     """Payload bytes each host sends over its link per all-reduce of ``size`` bytes; None for gloo (its
     algorithm is its own).
 
-    A ring all-reduce of n members sends ``2(n-1)/n * size`` from every member to the next. RING's members are
-    all ranks in order, so with consecutive ranks per host exactly one edge leaves each host:
-    ``2(n-1)/n * size`` with n = every rank. HIERARCHICAL's ring has one leader per host (the rest stays in
-    shared memory): ``2(H-1)/H * size``, once per host, whatever the ranks per host. AUTO (and dist-backend)
-    picks HIERARCHICAL when a host has several ranks, else RING.
+    A ring all-reduce of n members sends ``2(n-1)/n * size`` from every member to the next; a message of at
+    most ``small_bytes`` (``TORCHSTRATEGIES_RING_SMALL_BYTES``, 64 KiB) is all-gathered whole instead:
+    ``(n-1) * size``. RING's members are all ranks in order, so with consecutive ranks per host exactly one
+    edge leaves each host, with n = every rank. HIERARCHICAL's ring has one leader per host (the rest stays in
+    shared memory): n = H, once per host, whatever the ranks per host. AUTO (and dist-backend) picks
+    HIERARCHICAL when a host has several ranks, else RING.
 
     >>> link_theory("ring", 1 << 20, 2, 2) / (1 << 20), link_theory("hierarchical", 1 << 20, 2, 2) / (1 << 20)
     (1.5, 1.0)
+    >>> link_theory("ring", 4096, 4, 1) / 4096
+    3.0
     """
+    if small_bytes is None:
+        small_bytes = int(os.environ.get("TORCHSTRATEGIES_RING_SMALL_BYTES") or 64 << 10)
     if impl == "gloo" or hosts < 2:
         return None if impl == "gloo" else 0.0
     plan = impl
     if impl in ("auto", "dist-backend"):
         plan = "hierarchical" if ranks_per_host > 1 else "ring"
     members = hosts if plan == "hierarchical" else hosts * ranks_per_host
+    if size <= small_bytes:
+        return float((members - 1) * size)
     return 2 * (members - 1) / members * size
 
 
@@ -210,7 +220,8 @@ def _table(data: dict[str, Any], hosts: int, rph: int, rate: int, delay_ms: floa
             "busbw_GBps": bus, "speedup_vs_gloo": gloo[size] / sec, "fraction_of_line_rate": bus * 8e9 / rate,
             "link_bytes_per_host": sent, "link_theory": "" if theory is None else theory,
             "link_vs_theory": sent / theory if isinstance(sent, float) and theory else "",
-            "latency_vs_rtt": sec / rtt if rtt else "", "bytes": size,
+            "latency_vs_rtt": counted["batch_seconds_per_call"] / rtt if rtt and counted and size <= SMALL_SIZE
+            else "", "bytes": size,
             "rounds_us": [s * 1e6 for s in r.get("rounds", [])],
             "link_tx_per_call": counted["tx_per_call"] if counted else {},
             "link_rx_per_call": counted["rx_per_call"] if counted else {},
@@ -246,12 +257,17 @@ def _notes(data: dict[str, Any], hosts: int, rph: int, rate: int, delay_ms: floa
         "address (the ring, gloo, the store on host 0).",
         "link_bytes_per_host: bytes each host's veth sent per call (frames: payload, TCP/IP/Ethernet headers, "
         "ACKs, two barriers spread over the calls; mean over hosts); link_theory: payload bytes the plan sends "
-        "per host (RING: 2(n-1)/n * size over the one edge leaving each host; HIERARCHICAL: 2(H-1)/H * size, "
-        "once per host; gloo: not modelled).",
+        "per host (RING: 2(n-1)/n * size over the one edge leaving each host, (n-1) * size up to "
+        "TORCHSTRATEGIES_RING_SMALL_BYTES, where messages are all-gathered whole; HIERARCHICAL: the same with "
+        "n = H hosts, once per host; gloo: not modelled).",
     ]
     if rtt:
         notes.append(f"round trip (1-byte TCP ping-pong between host 0 and host 1, median of 50): "
-                     f"{rtt * 1e6:.1f} us; latency_vs_rtt = median time / round trip")
+                     f"{rtt * 1e6:.1f} us; latency_vs_rtt (sizes up to 64 KiB) = the time per call of the "
+                     "counted batch (calls back to back, the slowest rank's) / round trip. Not median_us: one "
+                     "call's time on a rank depends on how far ahead of its peers it starts (a rank that "
+                     "starts late finds their data there, one that starts early waits for it), and the "
+                     "slowest rank's median is the early one's")
     if data.get("hierarchical_plan") is not None:
         notes.append(f"the HIERARCHICAL row's backend saw {data.get('hierarchical_hosts')} hosts and runs the "
                      f"plan {data.get('hierarchical_plan')}")

@@ -5,8 +5,9 @@ Run by ``allreduce_worker`` when it is given ``--iface`` (each rank inside its h
 its interface's counters (``/proc/net/dev``, which shows this process's namespace), a barrier, every rank
 makes ``calls`` calls, a barrier, the counters again; the result is each host's bytes sent and received per
 call, as the veth counts them (frames: payload, headers, ACKs, and two barriers' few hundred bytes spread
-over the calls). :func:`round_trip`: rank 0 and the lowest rank of another host ping-pong one byte
-over TCP on their own addresses; the median of 50 is the link's round-trip time.
+over the calls), and the batch's time per call (the slowest rank's; calls back to back).
+:func:`round_trip`: rank 0 and the lowest rank of another host ping-pong one byte over TCP on their own
+addresses; the median of 50 is the link's round-trip time.
 """
 
 from __future__ import annotations
@@ -62,15 +63,18 @@ def link_bytes(iface: str, hosts: list[str], cases: list[tuple[int, str]],
         dist.barrier()  # the previous case's traffic is over
         before = interface_bytes(iface) if leader else (0, 0)
         dist.barrier()  # every leader has read its counters before any rank sends
+        t0 = time.perf_counter()
         for _ in range(k):
             fn()
+        seconds = time.perf_counter() - t0
         dist.barrier()
         after = interface_bytes(iface) if leader else (0, 0)
         mine = (hosts[rank], after[0] - before[0], after[1] - before[1]) if leader else None
         gathered: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        per_host = {str(g[0]): (g[1] / k, g[2] / k) for g in gathered if isinstance(g, tuple)}
-        out.append({"size": nbytes, "implementation": impl, "calls": k,
+        dist.all_gather_object(gathered, (mine, seconds))
+        per_host = {str(g[0][0]): (g[0][1] / k, g[0][2] / k) for g in gathered if isinstance(g, tuple) and g[0]}
+        batch = max(float(g[1]) for g in gathered if isinstance(g, tuple)) / k
+        out.append({"size": nbytes, "implementation": impl, "calls": k, "batch_seconds_per_call": batch,
                     "tx_per_call": {h: v[0] for h, v in per_host.items()},
                     "rx_per_call": {h: v[1] for h, v in per_host.items()}})
     return out
