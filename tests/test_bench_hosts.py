@@ -164,3 +164,16 @@ def test_rates_parse_in_tc_spelling_and_bad_arguments_are_named():
         allreduce_hosts.run(hosts=2, implementations=["shm"])
     res = CliRunner().invoke(cli, ["bench", "allreduce", "--link", "1gbit"])
     assert res.exit_code != 0 and "--link and --delay-ms need --hosts N" in res.output
+
+
+@needs_netns
+@pytest.mark.timeout(600)
+def test_bench_train_runs_across_hosts_and_reports_against_no_comm():
+    from torchstrategies.bench import train
+
+    r = train.run(nproc=2, hosts=2, link="1gbit", strategies=["ddp", "mwms-pack-4MiB", "no-comm"], steps=2,
+                  warmup=1, rounds=1, progress=False)
+    assert [row["runner"] for row in r.rows] == ["ddp", "mwms-pack-4MiB", "no-comm"]
+    assert r.meta["hosts"] == 2 and "across 2 hosts" in r.title
+    assert all(row["samples/s"] > 0 for row in r.rows) and r.rows[-1]["% of no-comm"] == 100.0
+    assert netns.namespaces_of(os.getpid()) == []

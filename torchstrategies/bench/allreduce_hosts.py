@@ -22,19 +22,13 @@ Example (as root):
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 from torchstrategies.bench.allreduce import busbw, machine, size_label
-from torchstrategies.bench.launch import job_env
-from torchstrategies.bench.netns import IFACE, Network, handle_signals, parse_rate
+from torchstrategies.bench.hosts_launch import run_job_across_hosts
+from torchstrategies.bench.netns import IFACE, parse_rate
 from torchstrategies.bench.report import BenchResult
 
 __all__ = ["run", "link_theory", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS", "COLUMNS"]
@@ -44,7 +38,6 @@ DEFAULT_IMPLEMENTATIONS = ["gloo", "ring", "hierarchical"]
 IMPLEMENTATIONS = ["gloo", "ring", "hierarchical", "auto", "dist-backend"]
 COLUMNS = ["size", "implementation", "median_us", "algbw_GBps", "busbw_GBps", "speedup_vs_gloo",
            "fraction_of_line_rate", "link_bytes_per_host", "link_theory", "link_vs_theory", "latency_vs_rtt"]
-MASTER_PORT = 29500  # free: every namespace is new
 SMALL_SIZE = 64 << 10  # latency_vs_rtt is shown up to this size (beyond it the link's rate, not its delay, counts)
 
 
@@ -102,16 +95,12 @@ def run(hosts: int, nproc: int | None = None, link: str | int = "1gbit", sizes: 
     nproc = hosts if nproc is None else nproc
     impls, rph, rate = _check(hosts, nproc, link, sizes, implementations, rounds, delay_ms)
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp, handle_signals(), Network(hosts, rate, delay_ms) as net:
-        out = os.path.join(tmp, "result.json")
-        args = ["--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls), "--rounds",
-                str(rounds), "--iface", IFACE, "--json", out] + (["--progress"] if progress else [])
-        _run_ranks(net, nproc, rph, args, total=rounds * len(sizes) * len(impls), progress=progress,
-                   timeout=timeout)
-        with open(out) as f:
-            data: dict[str, Any] = json.load(f)
-        swept = net.swept
-    data.update(load=(load_before, os.getloadavg()[0]), machine=machine(), swept=swept)
+    args = ["--sizes", ",".join(str(int(s)) for s in sizes), "--impls", ",".join(impls), "--rounds", str(rounds),
+            "--iface", IFACE] + (["--progress"] if progress else [])
+    data = run_job_across_hosts("torchstrategies.bench.allreduce_worker", hosts, nproc, args, rate,
+                                delay_ms=delay_ms, total=rounds * len(sizes) * len(impls),
+                                desc=f"allreduce across {hosts} hosts", progress=progress, timeout=timeout)
+    data.update(load=(load_before, os.getloadavg()[0]), machine=machine())
     return _table(data, hosts, rph, rate, delay_ms)
 
 
@@ -135,71 +124,6 @@ def _check(hosts: int, nproc: int, link: str | int, sizes: Sequence[int], implem
     if "gloo" not in impls:
         impls.insert(0, "gloo")
     return impls, nproc // hosts, rate
-
-
-def _rank_env(net: Network, rank: int, nproc: int, rph: int) -> dict[str, str]:
-    host = rank // rph
-    env = job_env(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank % rph), LOCAL_WORLD_SIZE=str(rph),
-                  GROUP_RANK=str(host), MASTER_ADDR=net.address(0), MASTER_PORT=str(MASTER_PORT),
-                  TORCHSTRATEGIES_HOST_ID=f"host{host}", TORCHSTRATEGIES_RING_ADDR=net.address(host),
-                  GLOO_SOCKET_IFNAME=IFACE)
-    return env
-
-
-def _run_ranks(net: Network, nproc: int, rph: int, args: list[str], *, total: int, progress: bool,
-               timeout: float) -> None:
-    """Starts every rank in its host's namespace; follows rank 0's PROGRESS lines; kills every rank when one
-    fails or the time is up.
-
-    Raises:
-        RuntimeError: a rank exited non-zero or the run timed out (with the first failed rank's stderr tail).
-    """
-    cmd = [sys.executable, "-m", "torchstrategies.bench.allreduce_worker", *args]
-    errs: list[IO[str]] = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-    procs = [net.popen(r // rph, cmd, _rank_env(net, r, nproc, rph), stderr=errs[r],
-                       stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL) for r in range(nproc)]
-    failed: list[str] = []
-    done = threading.Event()
-
-    def watch() -> None:  # a rank that dies leaves the others waiting on it: stop them all
-        deadline = time.monotonic() + timeout
-        while not done.wait(0.5):
-            codes = [p.poll() for p in procs]
-            late = time.monotonic() > deadline
-            if late or any(c not in (None, 0) for c in codes):
-                failed.append(f"did not finish within {timeout:g} s" if late else f"exit codes {codes}")
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                return
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=f"allreduce across {nproc // rph} hosts", file=sys.stderr)
-    try:
-        assert procs[0].stdout is not None
-        for line in procs[0].stdout:
-            if line.startswith("PROGRESS") and bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(line.split()[-1])
-        codes = [p.wait() for p in procs]
-    finally:
-        done.set()
-        watcher.join()
-        if bar is not None:
-            bar.close()
-    if failed or any(codes):
-        first = next((r for r, c in enumerate(codes) if c not in (0, -9)), 0)
-        errs[first].seek(0)
-        tail = errs[first].read()[-4000:]
-        raise RuntimeError(f"allreduce across hosts: {failed[0] if failed else f'exit codes {codes}'}; "
-                           f"rank {first}'s stderr:\n{tail}")
-    for e in errs:
-        e.close()
 
 
 def _table(data: dict[str, Any], hosts: int, rph: int, rate: int, delay_ms: float) -> BenchResult:
@@ -233,7 +157,7 @@ def _table(data: dict[str, Any], hosts: int, rph: int, rate: int, delay_ms: floa
     meta = {"hosts": hosts, "ranks_per_host": rph, "nproc": nproc, "link_bits_per_s": rate, "delay_ms": delay_ms,
             "rtt_seconds": rtt, "load": load, "machine": data["machine"], "rank_hosts": data.get("hosts"),
             "hierarchical_plan": data.get("hierarchical_plan"), "hierarchical_hosts": data.get("hierarchical_hosts"),
-            "rounds": data.get("rounds"), "swept_stale_namespaces": data.get("swept")}
+            "rounds": data.get("rounds"), "swept_stale_namespaces": data.get("swept_namespaces")}
     return BenchResult(title, COLUMNS, rows, _notes(data, hosts, rph, rate, delay_ms), meta)
 
 
@@ -274,6 +198,6 @@ def _notes(data: dict[str, Any], hosts: int, rph: int, rate: int, delay_ms: floa
     load = data["load"]
     notes.append(f"1-minute load average before/after: {load[0]:.2f} / {load[1]:.2f} on {data.get('cpus')} CPUs; "
                  "the namespaces share this machine's CPUs, so a CPU-bound row is not a link-bound one")
-    if data.get("swept"):
-        notes.append(f"removed stale namespaces of an earlier run: {data['swept']}")
+    if data.get("swept_namespaces"):
+        notes.append(f"removed stale namespaces of an earlier run: {data['swept_namespaces']}")
     return notes

@@ -222,16 +222,23 @@ def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
     "MirroredStrategy(2) eager vs torch.compile (MLP 784-1024-1024-10).",
 )
 @_tf_options
+@count_option("--hosts", "hosts", "Run the workers across N real hosts: network namespaces on rate-limited links "
+              "(--link; needs root), --nproc/N workers each; no in-process rows. E.g. --hosts 2 --link 1gbit "
+              "--strategy ddp --strategy mwms-default --strategy mwms-pack-4MiB --strategy no-comm.")
+@click.option("--link", "link", default=None, help="With --hosts: each host's link rate (1gbit, 10gbit). Default "
+              "1gbit.")
 @output_options
 @click.pass_context
 def train(
     ctx: click.Context, nproc, strategies, steps, batch_size, repeats, parameter_server, in_process, tf_python,
-    tf_inter_op, progress, **_,
+    tf_inter_op, hosts, link, progress, **_,
 ) -> None:
     """Training throughput (samples/s): torch DDP vs our strategies (launches torchrun)."""
+    if link is not None and not hosts:
+        raise click.UsageError("--link needs --hosts N")
     opts = {"nproc": nproc, "strategies": strategies, "steps": steps, "batch_size": batch_size,
             "repeats": repeats, "parameter_server": parameter_server, "in_process": in_process,
-            "tf_python": tf_python, "tf_inter_op": tf_inter_op, "progress": progress}
+            "tf_python": tf_python, "tf_inter_op": tf_inter_op, "hosts": hosts, "link": link, "progress": progress}
     _run_and_emit(ctx, "train", opts, always={"nproc"}, soft={"in_process"})
 
 
