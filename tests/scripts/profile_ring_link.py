@@ -42,7 +42,8 @@ wall = time.perf_counter() - t0
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 dist.barrier()
 with open(out + str(dist.get_rank()), "w") as f:
-    json.dump({"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime}, f)
+    json.dump({"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+               "vcsw": r1.ru_nvcsw - r0.ru_nvcsw, "ivcsw": r1.ru_nivcsw - r0.ru_nivcsw}, f)
 """
 
 
@@ -85,7 +86,9 @@ def main() -> None:
             print(f"{impl:6s} {size >> 20} MiB x{a.calls} on {a.hosts}x{a.ranks_per_host} @ {a.link}: "
                   f"{wall * 1e3:.1f} ms/call, busbw {bus:.2f} Gbit/s = {bus * 1e9 / rate:.1%} of line; "
                   f"CPU {cpu / sent * 1e9:.3f} s/GB sent per rank (user {user * 1e3:.1f} ms, sys "
-                  f"{system * 1e3:.1f} ms per call)", flush=True)
+                  f"{system * 1e3:.1f} ms per call); context switches per call and rank: voluntary "
+                  f"{sum(x['vcsw'] for x in ranks) / n / a.calls:.0f}, involuntary "
+                  f"{sum(x['ivcsw'] for x in ranks) / n / a.calls:.0f}", flush=True)
             if a.strace:
                 print(subprocess.run(["head", "-25", out + ".strace"], capture_output=True, text=True).stdout)
 
