@@ -24,15 +24,16 @@ def _machine() -> str:
     return f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
 
 
-def record(name: str, args: list[str]) -> Path:
+def record(name: str, args: list[str], stem: str | None = None) -> Path:
     """Runs ``torchstrategies bench <name> <args> --json results/<file>.json`` and redraws its plot
-    ``results/<file>.png`` with the record (command, UTC date, machine, 1-minute load) in the title."""
+    ``results/<file>.png`` with the record (command, UTC date, machine, 1-minute load) in the title;
+    ``<file>`` is ``stem``, else the bench's name."""
     from torchstrategies.bench.report import BenchResult
     from torchstrategies.cli._common import load_module
     from torchstrategies.cli.bench_cmds import BENCH_MODULES
 
     RESULTS.mkdir(exist_ok=True)
-    stem = name.replace("-", "_")
+    stem = stem or name.replace("-", "_")
     json_path, png_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.png"
     command = ["torchstrategies", "bench", name, *args]
     load_before = os.getloadavg()[0]

@@ -23,8 +23,8 @@ from torchstrategies.bench.launch import job_env, run_job
 from torchstrategies.bench.loopback import socket_buffer_bytes
 from torchstrategies.bench.report import BenchResult
 
-__all__ = ["run", "plot", "busbw", "machine", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS", "IMPLEMENTATIONS",
-           "SIMULATED_HOSTS_IMPLEMENTATIONS", "ROOFLINE", "COLUMNS"]
+__all__ = ["run", "plot", "busbw", "machine", "size_label", "DEFAULT_SIZES", "DEFAULT_IMPLEMENTATIONS",
+           "IMPLEMENTATIONS", "SIMULATED_HOSTS_IMPLEMENTATIONS", "ROOFLINE", "COLUMNS"]
 
 ROOFLINE = "loopback-roofline"
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -50,7 +50,8 @@ def busbw(algbw: float, nranks: int) -> float:
     return algbw * 2 * (nranks - 1) / nranks
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
+    """A byte count as the table shows it: ``64 MiB``, ``4 KiB``, ``1000 B``."""
     if n >= 1 << 20 and n % (1 << 20) == 0:
         return f"{n >> 20} MiB"
     if n >= 1 << 10 and n % (1 << 10) == 0:
@@ -68,8 +69,11 @@ def machine() -> str:
 
 def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         implementations: Sequence[str] | None = None, progress: bool = True,
-        timeout: float = 1200.0, rounds: int = 3, simulate_hosts: int = 1) -> BenchResult:
-    """Launches ``torchrun --standalone --nproc_per_node nproc`` on the worker and tabulates its timings.
+        timeout: float = 1200.0, rounds: int = 3, simulate_hosts: int = 1, hosts: int = 0,
+        link: str | int = "1gbit", delay_ms: float = 0.0) -> BenchResult:
+    """Launches ``torchrun --standalone --nproc_per_node nproc`` on the worker and tabulates its timings;
+    with ``hosts``, runs the ranks in that many network namespaces on rate-limited links instead
+    (``bench/allreduce_hosts.py``, needs root).
 
     Args:
         nproc: ranks on this host.
@@ -84,6 +88,11 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         simulate_hosts: split the ranks into this many simulated hosts (``TORCHSTRATEGIES_HOST_ID`` per
             rank, ``nproc / simulate_hosts`` consecutive ranks each), so HIERARCHICAL runs its inter-host
             stage; must divide ``nproc``. SHM rows cannot span hosts and are refused then.
+        hosts: 2 or more: real hosts instead, one network namespace each with ``nproc / hosts`` ranks and a
+            veth of rate ``link`` (tc's spelling: "1gbit", "10gbit"), ``delay_ms`` one-way delay in the switch;
+            rows gloo, ring, hierarchical, auto, dist-backend (:func:`allreduce_hosts.run`).
+        link: see ``hosts``.
+        delay_ms: see ``hosts``.
 
     Returns:
         BenchResult with one row per (size, implementation); the machine, the load and the host of every
@@ -94,6 +103,12 @@ def run(nproc: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         RuntimeError: the launch failed, or an implementation gave a wrong sum (the worker checks every
             case before timing it; the message names the implementation, the size and the ranks).
     """
+    if hosts:
+        if simulate_hosts != 1:
+            raise ValueError(f"simulate_hosts={simulate_hosts} and hosts={hosts}: choose one (hosts are real)")
+        from torchstrategies.bench import allreduce_hosts
+
+        return allreduce_hosts.run(hosts, nproc, link, sizes, implementations, rounds, delay_ms, progress, timeout)
     impls = _implementations(nproc, sizes, implementations, rounds, simulate_hosts)
     env = job_env()
     env.pop("TORCHSTRATEGIES_HOST_ID", None)  # the worker sets it per rank, or the hostname applies
@@ -149,7 +164,7 @@ def _table(data: dict[str, Any], nproc: int) -> BenchResult:
         sec = r["seconds"]
         algbw = r["size"] / sec / 1e9
         rows.append({
-            "size": _size(r["size"]),
+            "size": size_label(r["size"]),
             "implementation": r["implementation"],
             "median_us": sec * 1e6,
             "algbw_GBps": algbw,

@@ -21,6 +21,9 @@ neighbour sent): a wrong result stops the run with a RuntimeError naming the imp
 and the ranks, so no wrong implementation's time is ever reported. ``--simulate-hosts H`` sets
 ``TORCHSTRATEGIES_HOST_ID`` per rank (ranks ``[k*n/H, (k+1)*n/H)`` on ``simulated-host-k``) before the process
 group exists, so HIERARCHICAL runs SHM inside a simulated host and its inter-host stage between them.
+With ``--iface NAME`` (``bench allreduce --hosts``: every rank in its host's network namespace) the bytes each
+host's interface carries per call, and the link's round trip, are measured after the rounds
+(``bench/allreduce_link.py``).
 """
 
 from __future__ import annotations
@@ -201,6 +204,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--simulate-hosts", type=int, default=1)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--iface", default="", help="count this interface's bytes per call (bench allreduce --hosts)")
     return p.parse_args()
 
 
@@ -284,6 +288,12 @@ def main() -> None:
     if "hierarchical" in impls:  # what the backend made for HIERARCHICAL: its plan and how many hosts it saw
         target = C.api._target(None, C.CommunicationImplementation.HIERARCHICAL, False)
         hier_plan, hier_hosts = _C.backend_plan(target.obj)
+    link = rtt = None
+    if a.iface:  # each rank in its host's namespace (bench/allreduce_hosts.py): bytes on the link, round trip
+        from torchstrategies.bench.allreduce_link import link_bytes, own_address, round_trip
+
+        link = link_bytes(a.iface, [str(h) for h in hosts], [c for c in cases if c[1] != ROOFLINE], prepare)
+        rtt = round_trip([str(h) for h in hosts], own_address())
     if ring is not None:
         ring.close()
     if rank == 0:
@@ -291,7 +301,7 @@ def main() -> None:
             json.dump({"world": world, "rows": rows, "packed": packed, "rounds": rounds, "hosts": hosts,
                        "hierarchical_hosts": hier_hosts, "hierarchical_plan": hier_plan,
                        "socket_buffer_bytes": ring.buffer_bytes if ring is not None else None,
-                       "torch": torch.__version__, "cpus": os.cpu_count()}, f)
+                       "torch": torch.__version__, "cpus": os.cpu_count(), "link": link, "rtt_seconds": rtt}, f)
     dist.barrier()
     dist.destroy_process_group()
 

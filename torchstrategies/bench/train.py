@@ -102,7 +102,8 @@ def _ddp(backend: str) -> Runner:
     return setup
 
 
-def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str] | None = None) -> Runner:
+def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str] | None = None,
+          bytes_per_pack: int | None = None) -> Runner:
     def setup(ctx: BenchContext) -> tuple[Callable[[], None], Callable[[], None]]:
 
         saved = {k: os.environ.get(k) for k in (env or {})}
@@ -113,6 +114,8 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
         from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
         options = None if implementation is None else CommunicationOptions(implementation=implementation)
+        if bytes_per_pack is not None:
+            options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
         try:
             strategy = MultiWorkerMirroredStrategy(communication_options=options)
         finally:  # the variables only tune this runner's strategy, not the rows after it
@@ -162,6 +165,11 @@ register_runner("mwms-default", _mwms(None))
 for _impl in _implementations():
     register_runner(f"mwms-{_impl}", _mwms(_impl), default=False)
 register_runner("no-comm", _mwms(None, no_comm=True))
+# Gradient bucket sizes (CommunicationOptions.bytes_per_pack; the default, 0, is one bucket): which one a slow
+# link between hosts wants (bench train --hosts).
+PACK_MIB = (1, 4, 16)
+for _mib in PACK_MIB:
+    register_runner(f"mwms-pack-{_mib}MiB", _mwms(None, bytes_per_pack=_mib << 20), default=False)
 
 # --- the torchrun worker ------------------------------------------------------------------------------------
 def _worker(args: dict[str, Any], out: str) -> None:
@@ -220,8 +228,9 @@ def _ratios(row: dict[str, Any], base: float | None, ceiling: float | None) -> d
 def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, warmup: int = 10, rounds: int = 3,
         batch: int = 64, progress: bool = True, modules: list[str] | None = None,
         parameter_server: bool = False, in_process: bool = True, tf_python: str | None = None,
-        tf_inter_op: int | None = None) -> BenchResult:
-    """Launches torchrun with ``nproc`` ranks and measures samples/s of each runner.
+        tf_inter_op: int | None = None, hosts: int = 0, link: str | int = "1gbit") -> BenchResult:
+    """Launches torchrun with ``nproc`` ranks and measures samples/s of each runner; with ``hosts``, runs the
+    ranks across that many network namespaces on rate-limited links instead (as root; ``bench/netns.py``).
 
     Args:
         nproc: ranks (processes) on this host.
@@ -240,7 +249,15 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
             in-process compile rows and the column 'vs TF Mirrored(2)' (``bench/tf_baseline.py``). Needs
             ``in_process``.
         tf_inter_op: TF inter-op threads for those rows (default: one per replica).
+        hosts: 2 or more: ``nproc / hosts`` ranks in each of ``hosts`` network namespaces, each with a link of
+            rate ``link`` ("1gbit"); the in-process rows are left out (they use no link). Rows worth running
+            there: ddp, ddp-torchstrategies, mwms-default, mwms-pack-<1|4|16>MiB, no-comm.
+        link: see ``hosts``.
     """
+    if hosts:
+        if parameter_server:
+            raise ValueError("parameter_server rows are not run across hosts; leave parameter_server False")
+        in_process = False
     if tf_python is None and in_process:
         tf_python = os.environ.get(ENV_TF_PYTHON) or None
     if tf_python is not None and not in_process:
@@ -250,8 +267,17 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
     load0 = os.getloadavg()
     spec = {"runners": names, "steps": steps, "warmup": warmup, "rounds": rounds, "batch": batch,
             "modules": list(modules or [])}
-    times = run_job("torchstrategies.bench.train", nproc, ["--spec", json.dumps(spec)], env,
-                    total=rounds * len(names), desc="bench train", progress=progress)["times"]
+    if hosts:
+        from torchstrategies.bench.hosts_launch import run_job_across_hosts
+        from torchstrategies.bench.netns import parse_rate
+
+        rate_bits = parse_rate(link)
+        times = run_job_across_hosts("torchstrategies.bench.train", hosts, nproc, ["--spec", json.dumps(spec)],
+                                     rate_bits, total=rounds * len(names), desc=f"bench train across {hosts} hosts",
+                                     progress=progress, timeout=3600.0)["times"]
+    else:
+        times = run_job("torchstrategies.bench.train", nproc, ["--spec", json.dumps(spec)], env,
+                        total=rounds * len(names), desc="bench train", progress=progress)["times"]
     rate = {n: nproc * batch * steps / median(times[n]) for n in names}
     base, ceiling = rate.get("ddp"), rate.get("no-comm")
     rows = [_ratios({"runner": n, "samples/s": rate[n], "ms/step": 1e3 * median(times[n]) / steps}, base, ceiling)
@@ -259,14 +285,16 @@ def run(nproc: int = 2, strategies: list[str] | None = None, steps: int = 100, w
     import torch
 
     result = BenchResult(
-        title=f"Training throughput, MLP {'-'.join(map(str, SIZES))}, batch {batch}/rank, {nproc} ranks",
+        title=f"Training throughput, MLP {'-'.join(map(str, SIZES))}, batch {batch}/rank, {nproc} ranks"
+        + (f" across {hosts} hosts on {link} links (network namespaces)" if hosts else ""),
         columns=["runner", "samples/s", "ms/step", "vs ddp", "% of no-comm"],
         rows=rows,
         notes=[f"median of {rounds} interleaved rounds of {steps} steps after {warmup} warm-up steps; "
                f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; "
                f"load average before/after: {load0[0]:.1f}/{os.getloadavg()[0]:.1f} (other processes share "
                "the cores: compare rows of one run, not runs)"],
-        meta={"nproc": nproc, "steps": steps, "rounds": rounds, "batch": batch, "times": times},
+        meta={"nproc": nproc, "steps": steps, "rounds": rounds, "batch": batch, "times": times, "hosts": hosts,
+              "link": link if hosts else None},
     )
     if parameter_server:
         _append_ps_row(result, nproc, steps, warmup, rounds, batch, progress, base, ceiling)

@@ -145,9 +145,19 @@ def kernels(ctx: click.Context, n, kernel_sizes, repeats, threads, progress, **_
               "(TORCHSTRATEGIES_HOST_ID per rank, nproc/H consecutive ranks each; H must divide --nproc), so "
               "HIERARCHICAL runs SHM inside a host and its inter-host stage between them. SHM rows are refused "
               "then.")
+@count_option("--hosts", "hosts", "Run across N real hosts: N network namespaces, each with --nproc/N ranks "
+              "(default --nproc N) and one veth into a switch, rate-limited by tc tbf to --link (needs root; "
+              "every namespace and link is deleted afterwards). Rows: gloo, ring, hierarchical, auto, "
+              "dist-backend; adds the fraction of the line rate, the bytes counted on each host's link per call "
+              "against the plan's theory, and the time over the link's round trip.")
+@click.option("--link", "link", default=None, help="With --hosts: each host's link rate per direction, tc's "
+              "spelling (1gbit, 10gbit, 500mbit). Default 1gbit.")
+@click.option("--delay-ms", "delay_ms", type=click.FloatRange(0), default=None, help="With --hosts: one-way delay "
+              "each frame gets in the switch (a userspace forwarder; for small messages).")
 @output_options
 @click.pass_context
-def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, progress, **_) -> None:
+def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate_hosts, hosts, link, delay_ms,
+              progress, **_) -> None:
     """Time all-reduce implementations side by side (launches torchrun with --nproc ranks).
 
     Per size and implementation: median time, algbw = size/time, busbw = algbw * 2(n-1)/n (nccl-tests'
@@ -158,9 +168,18 @@ def allreduce(ctx: click.Context, nproc, message_sizes, impls, repeats, simulate
     Example (gloo vs RING vs the roofline, 3 sizes, 5 rounds):
       torchstrategies bench allreduce --nproc 2 --impl gloo --impl ring --impl loopback-roofline \\
           --size 4KiB --size 1MiB --size 64MiB --repeats 5 --json ar.json
+    Between 2 hosts of 2 ranks on 1 Gbit/s links (as root):
+      torchstrategies bench allreduce --hosts 2 --nproc 4 --link 1gbit --size 16MiB --size 64MiB
     """
+    from click.core import ParameterSource
+
+    if (link is not None or delay_ms is not None) and not hosts:
+        raise click.UsageError("--link and --delay-ms need --hosts N")
+    if hosts and ctx.get_parameter_source("nproc") is ParameterSource.DEFAULT:
+        nproc = hosts  # one rank per host unless --nproc says otherwise
     opts = {"nproc": nproc, "message_sizes": message_sizes, "impls": impls, "repeats": repeats,
-            "simulate_hosts": simulate_hosts, "progress": progress}
+            "simulate_hosts": simulate_hosts, "hosts": hosts, "link": link, "delay_ms": delay_ms,
+            "progress": progress}
     _run_and_emit(ctx, "allreduce", opts, always={"nproc"})
 
 
@@ -203,16 +222,23 @@ def _tf_options(fn: Callable[..., None]) -> Callable[..., None]:
     "MirroredStrategy(2) eager vs torch.compile (MLP 784-1024-1024-10).",
 )
 @_tf_options
+@count_option("--hosts", "hosts", "Run the workers across N real hosts: network namespaces on rate-limited links "
+              "(--link; needs root), --nproc/N workers each; no in-process rows. E.g. --hosts 2 --link 1gbit "
+              "--strategy ddp --strategy mwms-default --strategy mwms-pack-4MiB --strategy no-comm.")
+@click.option("--link", "link", default=None, help="With --hosts: each host's link rate (1gbit, 10gbit). Default "
+              "1gbit.")
 @output_options
 @click.pass_context
 def train(
     ctx: click.Context, nproc, strategies, steps, batch_size, repeats, parameter_server, in_process, tf_python,
-    tf_inter_op, progress, **_,
+    tf_inter_op, hosts, link, progress, **_,
 ) -> None:
     """Training throughput (samples/s): torch DDP vs our strategies (launches torchrun)."""
+    if link is not None and not hosts:
+        raise click.UsageError("--link needs --hosts N")
     opts = {"nproc": nproc, "strategies": strategies, "steps": steps, "batch_size": batch_size,
             "repeats": repeats, "parameter_server": parameter_server, "in_process": in_process,
-            "tf_python": tf_python, "tf_inter_op": tf_inter_op, "progress": progress}
+            "tf_python": tf_python, "tf_inter_op": tf_inter_op, "hosts": hosts, "link": link, "progress": progress}
     _run_and_emit(ctx, "train", opts, always={"nproc"}, soft={"in_process"})
 
 
