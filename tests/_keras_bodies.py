@@ -38,6 +38,8 @@ def build(kind: str) -> Any:
             return x
 
     keras.utils.set_random_seed(1)
+    if kind in ("custom_step", "custom_loss_fn"):  # a train_step of its own, as in Keras' torch guide
+        return _custom_step_model(kind, RowCounter)
     if kind == "subclassed":  # built at its first batch, in fit
 
         class MLP(keras.Model):
@@ -59,6 +61,42 @@ def build(kind: str) -> Any:
     model = keras.Sequential(layers)
     RowCounter.seen = {}
     model.row_counter = RowCounter
+    return model
+
+
+def _custom_step_model(kind: str, row_counter: Any) -> Any:
+    """A model with the ``train_step`` of Keras' guide "Customizing what happens in fit() with PyTorch":
+    ``compute_loss``, ``loss.backward()``, ``optimizer.apply``, the metrics updated by hand
+    (``custom_loss_fn``: the loss from a Keras loss object instead of ``compute_loss``)."""
+    import keras
+    import torch
+
+    class CustomModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            if kind == "custom_step":
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            else:
+                loss = keras.losses.MeanSquaredError()(y, y_pred)
+            loss.backward()
+            trainable_weights = [v for v in self.trainable_weights]
+            gradients = [v.value.grad for v in trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(gradients, trainable_weights)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    inputs = keras.layers.Input((FEATURES,), dtype="float64")
+    hidden = keras.layers.Dense(8, activation="relu", dtype="float64")(row_counter(dtype="float64")(inputs))
+    model = CustomModel(inputs, keras.layers.Dense(1, dtype="float64")(hidden))
+    row_counter.seen = {}
+    model.row_counter = row_counter
     return model
 
 
@@ -193,5 +231,78 @@ def mwms_train_on_batch(rank: int, world: int) -> list[np.ndarray]:
         with strategy.scope():
             model = build("mlp")
         return train_on_batches(model)
+    finally:
+        strategy.shutdown()
+
+
+def _strategy(name: str) -> Any:
+    import torchstrategies as ts
+
+    return {"mirrored2": lambda: ts.MirroredStrategy(num_replicas=2),
+            "mirrored3": lambda: ts.MirroredStrategy(num_replicas=3),
+            "central_storage2": lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
+            "mwms": ts.MultiWorkerMirroredStrategy}[name]()
+
+
+def custom_step(strategy_name: str | None, kind: str = "custom_step") -> Any:
+    """Fits the float64 model with its own train_step (``_custom_step_model``) on the global batches, without
+    a strategy (None) or under one; returns its weights, or the error's type and text."""
+    import keras
+
+    strategy = None if strategy_name is None else _strategy(strategy_name)
+    floatx = keras.config.floatx()
+    keras.config.set_floatx("float64")  # the loss too (Keras computes it in floatx)
+    try:
+        if strategy is None:
+            model = build(kind)
+        else:
+            with strategy.scope():
+                model = build(kind)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"])
+        x, y = data()
+        try:
+            model.fit(x.astype("float64"), y.astype("float64"), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
+                      shuffle=False, verbose=0)
+        except RuntimeError as e:
+            return ("error", str(e))
+        return [np.asarray(w) for w in model.get_weights()]
+    finally:
+        keras.config.set_floatx(floatx)
+        if strategy_name == "mwms":
+            strategy.shutdown()
+
+
+def mwms_custom_step(rank: int, world: int, kind: str) -> Any:
+    return custom_step("mwms", kind)
+
+
+def mwms_replica_ids(rank: int, world: int) -> dict[str, Any]:
+    """What code in a Keras model sees of its replica under MWMS: inside ``fit`` (called outside and inside
+    the scope) and ``evaluate``, and in ``strategy.run`` on the same worker."""
+    import keras
+
+    import torchstrategies as ts
+
+    seen: list[tuple[str, Any]] = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x, training=False):
+            rc = ts.get_replica_context()
+            if x.device.type != "meta":  # (not Keras' shape inference: no data, no replica, as in TF)
+                seen.append(("train" if training else "test", None if rc is None else rc.replica_id_in_sync_group))
+            return x
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Input((FEATURES,)), Probe(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = data()
+        model.fit(x[:16], y[:16], batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+        with strategy.scope():
+            model.fit(x[:16], y[:16], batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+        model.evaluate(x[:16], y[:16], batch_size=GLOBAL_BATCH, verbose=0)
+        in_run = strategy.run(lambda: ts.get_replica_context().replica_id_in_sync_group)
+        return {"fit": sorted({r for _, r in seen}, key=str), "run": in_run}
     finally:
         strategy.shutdown()

@@ -53,7 +53,7 @@ def _case(name: str, in_scope: Any) -> tuple[torch.nn.Module, Any]:
         model.load_state_dict(other.state_dict())
     if name == "hooks":
         model[0].register_forward_hook(lambda m, i, o: o * 1.5)
-        model[2].weight.register_hook(lambda g: g * 2.0)
+        model[2].weight.register_hook(ts.linear_gradient_hook(lambda g: g * 2.0))  # (linear: declared)
     if name == "functional_call":
         return model, lambda x: torch.func.functional_call(model, dict(model.named_parameters()), (x,))
     if name == "tied":

@@ -26,6 +26,7 @@ from torchstrategies.distribute.distribute_lib import (
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.input_lib import InputContext, InputOptions
 from torchstrategies.distribute.loss import compute_average_loss, scale_regularization_loss
+from torchstrategies.distribute.replica_share import linear_gradient_hook
 from torchstrategies.distribute.values import DistributedValues, Mirrored, PerReplica
 from torchstrategies.distribute.variables import Variable
 
@@ -38,6 +39,7 @@ __all__ = [
     "ReductionToOneDevice",
     "compute_average_loss",
     "declare_buffer_aggregation",
+    "linear_gradient_hook",
     "scale_regularization_loss",
     "DistributedValues",
     "Mirrored",

@@ -45,7 +45,7 @@ from torchstrategies.errors import DeadlineExceededError
 if TYPE_CHECKING:  # pragma: no cover
     from torchstrategies.distribute.replicated import ReplicatedTensors
 
-__all__ = ["acting_for", "call_for_each_replica", "current_replica", "merge_call"]
+__all__ = ["acting_for", "call_for_each_replica", "current_replica", "merge_call", "replicas_running"]
 
 _MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls"
 _MISMATCH_FN = "The replicas called replica_context().merge_call() with different functions"
@@ -67,6 +67,13 @@ class _ThreadReplica(threading.local):
 
 _local = _ThreadReplica()  # the replica this thread runs
 _acting = _ThreadReplica()  # the replica this thread communicates for (``acting_for``)
+_running: list[_Run] = []  # the runs in progress in this process, innermost last (seen from every thread)
+
+
+def replicas_running() -> int:
+    """The number of replicas of the innermost in-process ``run`` in progress in this process (0: none).
+    Unlike ``current_replica()`` it is seen from every thread, autograd's device threads included."""
+    return len(_running[-1].devices) if _running else 0
 
 
 def current_replica() -> _Replica | None:
@@ -191,6 +198,7 @@ class _Run:
         self.devices = ext.worker_devices
         self.replicated = replicated
         self.views = replicated.views
+        self.attributes = replicated.attributes
         self.timeout = timeout
         self.modes = _modes(strategy, len(self.devices))
         self.state = _C.ThreadState()
@@ -198,6 +206,16 @@ class _Run:
         self.replicas: list[_Replica] = []
         self.error: BaseException | None = None
         self.over = False
+
+    def enter(self, replica: int) -> None:
+        """Replica ``replica``'s tensors and attributes in the modules (``ReplicaViews``, ``ReplicaAttributes``)."""
+        self.views.enter(replica)
+        self.attributes.enter(replica)
+
+    def leave(self) -> None:
+        """The cross-replica view of the modules back."""
+        self.views.leave()
+        self.attributes.leave()
 
     def fail(self, error: BaseException) -> BaseException:
         if self.error is None:
@@ -209,7 +227,7 @@ class _Run:
         to the same point, folds, and (a merge_call) runs the merge; replica 0's view is back afterwards."""
         r0 = self.replicas[0]
         views = self.views
-        views.leave()
+        self.leave()
         try:
             for r in self.replicas[1:]:
                 if not r.done and r.merge is None:
@@ -223,7 +241,7 @@ class _Run:
         finally:
             if not r0.done:
                 views.seed(False)  # what the merge wrote reaches every component
-                views.enter(0)
+                self.enter(0)
 
     def _resume(self, r: _Replica) -> None:
         """Lets replica ``r`` (> 0) run on its worker until it pauses in a merge_call or returns."""
@@ -231,7 +249,7 @@ class _Run:
         if w is None:
             w = r.worker = _pool.take()
             w.replica = r
-        self.views.enter(r.index)
+        self.enter(r.index)
         try:
             try:
                 if not w.baton.resume(self.timeout):
@@ -242,7 +260,7 @@ class _Run:
                 r.worker = None  # it still runs its code: never reused
                 raise
         finally:
-            self.views.leave()
+            self.leave()
         if r.exc is not None:
             raise self.fail(r.exc)
 
@@ -291,7 +309,7 @@ class _Run:
         """Stops the replicas still waiting in a merge_call (they unwind their ``fn``) and gives the
         workers back. (A run that ended normally folded at replica 0's end, in ``sync``.)"""
         self.over = True
-        self.views.leave()
+        self.leave()
         try:
             for r in self.replicas[1:]:
                 if r.worker is None:
@@ -374,9 +392,11 @@ def call_for_each_replica(
     r0 = replicas[0]
     previous = _local.replica
     _local.replica = r0
+    _running.append(run)
     try:
         run.views.begin()  # holds the replicated tensors; seeds every component (whatever cross-replica
-        run.views.enter(0)  # code did since the last run)
+        run.attributes.begin()  # code did since the last run)
+        run.enter(0)
         try:
             run.state.call(r0.call)  # (as on the workers: what fn does to torch's modes stays in it)
         finally:
@@ -386,6 +406,7 @@ def call_for_each_replica(
             raise run.error
     finally:
         _local.replica = previous
+        _running.remove(run)
         run.finish()
     run.replicas = []
     results = [r.result for r in replicas]

@@ -49,6 +49,7 @@ from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-def
 
 from torchstrategies._ext import _C
 from torchstrategies.distribute.buffers import is_mean_buffer
+from torchstrategies.distribute.replica_attributes import ReplicaAttributes
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
@@ -73,6 +74,8 @@ class ReplicatedTensors:
         self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._mean_ids: set[int] = set()   # the buffers declared MEAN, as of the last refresh
+        self.module_ids: set[int] = set()  # the modules made in the scope, as of the last refresh
+        self.attributes = ReplicaAttributes(len(devices))  # their plain attributes written in replicas
 
     def add_module(self, module: torch.nn.Module) -> None:
         self._modules.append(weakref.ref(module))
@@ -118,6 +121,7 @@ class ReplicatedTensors:
             for group in opt.param_groups:
                 params.extend(group["params"])
         self._mean_ids = mean_ids
+        self.module_ids = seen
         self.views.refresh(params, buffers)
 
     def fold(self, end: bool) -> None:

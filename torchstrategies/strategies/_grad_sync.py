@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchstrategies.distribute.replica_share import linear_gradient_hook
 from torchstrategies.strategies._health import HealthMonitor
 
 __all__ = ["GradBucket", "GradientSynchronizer", "Hook", "allreduce_hook", "CompressionHook", "sparse_sum"]
@@ -182,10 +183,12 @@ class GradientSynchronizer:
         health: the strategy's ``HealthMonitor``: counts the collectives, names the rank behind a failure.
         autograd_hooks: False: no hooks on the parameters; ``reduce_now`` reduces whatever gradients they
             hold (the optimizer step's reduction of gradients no backward reduced).
+        name_of: a parameter's name for an error (default: its shape).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, bytes_per_pack: int = 0,
-                 hook: Hook | None = None, health: HealthMonitor | None = None, autograd_hooks: bool = True):
+                 hook: Hook | None = None, health: HealthMonitor | None = None, autograd_hooks: bool = True,
+                 name_of: Callable[[torch.Tensor], str] | None = None):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be a non-negative int, got {bytes_per_pack!r}")
         self.state = group
@@ -202,7 +205,7 @@ class GradientSynchronizer:
         # Weak: the parameters own the synchronizer (through their hooks), not the other way round, so a
         # dropped model frees its parameters, and the strategy forgets a synchronizer whose are all gone.
         self._all_refs = [weakref.ref(p) for p in plist]
-        self._all_ids = frozenset(seen)
+        self._all_by_id = {id(p): r for p, r in zip(plist, self._all_refs)}
         self._autograd_hooks = autograd_hooks
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
@@ -211,6 +214,9 @@ class GradientSynchronizer:
         self._local_pending = False  # gradients accumulated under no_sync, not yet reduced
         self._callback_queued = False
         self.num_reductions = 0  # buckets reduced so far (tests and benchmarks read it)
+        self._name_of = name_of or (lambda p: f"of shape {tuple(p.shape)}")
+        self._changes: list[str] = []  # how this rank's parameters changed since the last reduction
+        self._layout: list[tuple[Any, Any, Any]] = []  # (dtype, device, shape) of each synchronized parameter
         self._set_buckets()
 
     @property
@@ -233,6 +239,8 @@ class GradientSynchronizer:
         old = [(p, p.grad) for p in self.params if p.grad is not None and self.proven(p)] \
             if hasattr(self, "buckets") else []
         plist = self._wanted()
+        if hasattr(self, "buckets"):
+            self._changes += _changes(self.params, self._layout, plist, self._name_of)
         self._refs = [weakref.ref(p) for p in plist]
         self.buckets = self._make_buckets(list(reversed(plist)))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -241,10 +249,10 @@ class GradientSynchronizer:
         for p in plist:
             if self._autograd_hooks and id(p) not in self._hooked:
                 self._hooked.add(id(p))
-                self._hooks.append(p.register_hook(self._make_pre_hook()))
+                self._hooks.append(p.register_hook(linear_gradient_hook(self._make_pre_hook())))
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         for p, g in old:
-            if id(p) in self._where:
+            if self._located(p) is not None:
                 self._keep_reduced(p, g)
         if old:
             self._state = _REDUCED
@@ -260,17 +268,26 @@ class GradientSynchronizer:
         return False
 
     def owns(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is one of this synchronizer's (watched) parameters."""
-        return id(param) in self._all_ids
+        """Whether ``param`` is one of this synchronizer's (watched) parameters (by identity: a new tensor
+        that got the ``id()`` of a freed one is not)."""
+        ref = self._all_by_id.get(id(param))
+        return ref is not None and ref() is param
+
+    def _located(self, param: torch.Tensor) -> tuple[_Bucket, int] | None:
+        """``param``'s bucket and index, if it is in a bucket now (by identity, as ``owns``)."""
+        where = self._where.get(id(param))
+        if where is None or where[0].refs[where[1]]() is not param:
+            return None
+        return where
 
     def synchronizes(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is in a bucket now (trainable, watched)."""
-        return id(param) in self._where
+        return self._located(param) is not None
 
     def proven(self, param: torch.Tensor) -> bool:
         """Whether ``param.grad`` is what the last reduction left there (so reducing it again would count
         it twice): the reduced bucket view, or the reduced sparse tensor, not replaced since."""
-        where = self._where.get(id(param))
+        where = self._located(param)
         if where is None or self._state != _REDUCED:
             return False
         g = param.grad
@@ -303,7 +320,7 @@ class GradientSynchronizer:
         if self._layout_changed():
             self._set_buckets()
         for p in params:
-            if id(p) in self._where and p.grad is not None:
+            if self._located(p) is not None and p.grad is not None:
                 self._keep_reduced(p, p.grad)
         self._state = _REDUCED
 
@@ -469,8 +486,10 @@ class GradientSynchronizer:
                 if self.health is None or type(exc).__module__.startswith("torchstrategies") or not isinstance(
                         exc, (RuntimeError, TimeoutError)):
                     raise
-                raise self.health.diagnose(exc, f"gradient all-reduce (bucket {b.index} of {len(self.buckets)})") \
-                    from exc
+                named = self.health.diagnose(exc, f"gradient all-reduce (bucket {b.index} of {len(self.buckets)})")
+                if isinstance(named, ValueError):  # the backend's collective mismatch
+                    raise ValueError(self._mismatch_cause(named)) from exc
+                raise named from exc
             b.future = None
             if not isinstance(result, torch.Tensor) or result.shape != b.flat.shape:
                 raise TypeError(f"a communication hook's future must hold the reduced bucket, a tensor of shape "
@@ -495,6 +514,36 @@ class GradientSynchronizer:
             p.grad = b.sparse_grads[i] = sparse_sum(g, p, self.state)
         self._local_pending = False
         self._state = _REDUCED
+        self._changes = []
+
+    def _mismatch_cause(self, named: Exception) -> str:
+        """The backend's "collective mismatch" of a gradient all-reduce, with what this rank changed."""
+        rank = self.state.rank()
+        fix = ("Freeze or unfreeze a parameter (requires_grad_), or change its dtype, device or shape, on every "
+               "rank in the same step: run the same code on every rank")
+        if self._changes:
+            return (f"The ranks synchronize different parameters: on rank {rank}, since the last gradient "
+                    f"all-reduce, {'; '.join(self._changes)}, and the other ranks did not do the same. {fix}. "
+                    f"({named})")
+        return (f"The ranks synchronize different parameters: rank {rank}'s did not change since the last "
+                "gradient all-reduce, so another rank froze or unfroze one (requires_grad_) or changed its dtype, "
+                f"device or shape on its own (that rank's error names it). {fix}. ({named})")
+
+
+def _changes(before: list[torch.nn.Parameter], layout: list[tuple[Any, Any, Any]], now: list[torch.nn.Parameter],
+             name_of: Callable[[torch.Tensor], str]) -> list[str]:
+    """What made the synchronized parameters ``now`` differ from ``before`` (with their ``layout``)."""
+    old = {id(p): (p, lay) for p, lay in zip(before, layout)}
+    new = {id(p) for p in now}
+    out = []
+    for p, (dtype, device, shape) in old.values():
+        if id(p) not in new:
+            out.append(f"parameter {name_of(p)} was frozen (requires_grad_(False))")
+        elif (p.dtype, p.device, p.shape) != (dtype, device, shape):
+            out.append(f"parameter {name_of(p)} changed from {dtype}/{device}/{tuple(shape)} to "
+                       f"{p.dtype}/{p.device}/{tuple(p.shape)}")
+    out += [f"parameter {name_of(p)} was made trainable (requires_grad_(True))" for p in now if id(p) not in old]
+    return out
 
 
 def sparse_sum(grad: torch.Tensor | None, param: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

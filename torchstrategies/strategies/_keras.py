@@ -12,9 +12,11 @@ only what Keras' loop needs on top, as instance attributes of the model (its cla
   first (TF's rule for a partial batch). MWMS: this process runs Keras' step on its rows. In-process:
   ``strategy.run`` runs Keras' step once per replica on its rows, and the Keras optimizer's ``apply`` is a
   merge_call (one update in cross-replica context from the summed gradients, copied to every replica).
-* The loss is scaled by ``replica rows / global rows`` before backward (``optimizer.scale_loss``, Keras'
-  own seam), so the summed gradient is the gradient of the global mean: ``1/num_replicas`` for an even
-  split, as TF's Keras scales, and exact for an uneven final batch.
+* The gradient of ``model.compute_loss`` is scaled by ``replica rows / global rows`` (where TF's Keras
+  scales the loss for tf.distribute), so the summed gradient is the gradient of the global mean:
+  ``1/num_replicas`` for an even split, as TF's Keras scales, and exact for an uneven final batch. Keras'
+  own step and a custom ``train_step`` written as in Keras' guide (``compute_loss``, ``loss.backward()``,
+  ``optimizer.apply``) both call it; a step that applies gradients without it raises.
 * Metrics are global. MWMS: after each step a metric variable with aggregation ``"sum"`` (Keras' default
   for metric state: totals, counts) becomes its value before the step plus the cross-worker sum of what
   each worker added, ``"mean"`` ones the cross-worker mean. In-process: the replicas run one at a time on
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from torchstrategies.distribute import context as ts_context
+from torchstrategies.distribute.distribute_lib import ReplicaContext
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
 
@@ -97,6 +100,24 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return ctx.comm.all_reduce_sum(grad.contiguous()).to(grad.device), None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity whose gradient is multiplied by ``scale`` (a replica's share of the global batch)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def _iterations(optimizer: Any) -> int | None:
+    """The steps a Keras optimizer has applied (None: no optimizer)."""
+    return None if optimizer is None else int(optimizer.iterations.value)
 
 
 class _WorkerCommunicator:
@@ -186,23 +207,40 @@ class _KerasReplicas:
 
     @contextlib.contextmanager
     def _scaled_loss(self) -> Iterator[None]:
-        """Each replica's loss times its rows / the global rows, before backward."""
-        optimizer = self.model.optimizer
-        if optimizer is None:
-            yield
-            return
-        scale = optimizer.scale_loss  # the class's, or a LossScaleOptimizer's
+        """In a train step, ``model.compute_loss`` (what Keras' own step and a ``train_step`` written as in
+        Keras' guide call) returns the replica's loss with its gradient scaled by the replica's rows / the
+        global rows, so the replicas' summed gradient is the global batch's, as TF's Keras scales the loss
+        under tf.distribute (``scale_loss_for_distribution``, in the loss). The value is the replica's own
+        loss, so Keras' loss tracker and a custom step's metrics read it as one process does. A step that
+        applied gradients without calling ``compute_loss`` raises (they would be summed unscaled)."""
+        model, optimizer = self.model, self.model.optimizer
+        compute_loss = model.compute_loss  # the class's (a subclass may override it)
+        calls: list[int] = []
 
-        def scaled(loss: torch.Tensor) -> torch.Tensor:
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            loss = compute_loss(*args, **kwargs)
             assert self.rows is not None
             start, stop, n = self.rows[self.replica_id()]
-            return scale(loss) * ((stop - start) / n)
+            calls.append(1)
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return loss
+            return _ScaleGradient.apply(loss, (stop - start) / n)
 
-        object.__setattr__(optimizer, "scale_loss", scaled)
+        steps = _iterations(optimizer)
+        object.__setattr__(model, "compute_loss", scaled)
         try:
             yield
         finally:
-            object.__delattr__(optimizer, "scale_loss")
+            object.__delattr__(model, "compute_loss")
+        if not calls and _iterations(optimizer) != steps:
+            raise RuntimeError(
+                f"The train step of {type(model).__name__} applied gradients of a loss that model.compute_loss did "
+                f"not compute, under {type(self.extended._container_strategy()).__name__} with "
+                f"{self.extended._num_replicas_in_sync} replicas: each replica's gradient is of its own rows' "
+                "mean, and their sum would train at that many times the learning rate. Compute the loss with "
+                "self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight) (as Keras' guide to a "
+                "custom train_step does; it scales each replica's gradient by its share of the global batch, "
+                "as TF's Keras scales the loss under tf.distribute)")
 
     def fit_(self, *args: Any, **kwargs: Any) -> Any:
         return self.fit(*args, **kwargs)
@@ -227,6 +265,11 @@ class _KerasWorker(_KerasReplicas):
 
     def replica_id(self) -> int:
         return int(self.extended.rank)
+
+    def _replica(self) -> Any:
+        """The replica context Keras' step runs in, as in ``strategy.run`` on this worker (TF runs Keras'
+        step in ``strategy.run``): ``replica_id_in_sync_group`` is this worker's rank."""
+        return ReplicaContext(self.extended._container_strategy(), self.replica_id(), 0)
 
     def communicator(self) -> Any:
         return _WorkerCommunicator(self.extended)
@@ -270,7 +313,7 @@ class _KerasWorker(_KerasReplicas):
         self._adopt_new_weights()
         shards, _ = self.split(data)
         try:
-            with self._global_metrics(), self._scaled_loss():
+            with self._global_metrics(), self._scaled_loss(), self._replica():
                 logs = self.train_step(shards[self.replica_id()])
         finally:
             self.rows = None
@@ -281,7 +324,7 @@ class _KerasWorker(_KerasReplicas):
         self._adopt_new_weights()
         shards, _ = self.split(data)
         self.rows = None
-        with self._global_metrics():
+        with self._global_metrics(), self._replica():
             logs = self.test_step(shards[self.replica_id()])
         return _with_global(logs, self.model)
 

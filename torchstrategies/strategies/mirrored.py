@@ -38,13 +38,20 @@ from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.input_lib import InputOptions
-from torchstrategies.distribute.mirrored_run import call_for_each_replica, current_replica, merge_call
+from torchstrategies.distribute.mirrored_run import (
+    call_for_each_replica,
+    current_replica,
+    merge_call,
+    replicas_running,
+)
+from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
 from torchstrategies.distribute.replicated import ReplicatedTensors
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
 from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
+from torchstrategies.strategies._metric_schedulers import in_process_plateau_step
 from torchstrategies.strategies._mw_input import ReplicaSplitDataset, is_map_style_loader, loader_seed
 from torchstrategies.strategies.one_device import canonical_device
 
@@ -169,6 +176,26 @@ def _once_per_step(orig: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
+def _per_replica_setattr(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.__setattr__``: inside an in-process replica, a plain attribute of a module made in the
+    scope becomes the replica's own (``distribute/replica_attributes.py``: a stateful RNN's hidden state)."""
+
+    @functools.wraps(orig)
+    def __setattr__(self: torch.nn.Module, name: str, value: Any) -> None:
+        replica = current_replica()
+        if replica is not None:
+            replicated = replica.run.replicated
+            replicated.attributes.written(self, name, value, replicated.module_ids)
+        orig(self, name, value)
+
+    return __setattr__
+
+
+def _in_replicas(param: torch.Tensor) -> bool:
+    """Whether a gradient computed now is one replica's share (``distribute/replica_share.py``)."""
+    return replicas_running() > 1
+
+
 # torch's globals the in-process strategies need while one lives (distribute/torch_patches.py); each
 # optimizer class made in a scope has its ``step`` wrapped too (``_merged_step``), undone with the set.
 PATCHES = PatchSet("in-process replicas", [
@@ -177,6 +204,11 @@ PATCHES = PatchSet("in-process replicas", [
     *(functools.partial(wrap_attribute, torch.amp.GradScaler, name, _once_per_step)
       for name in ("unscale_", "step", "update")),
     lambda: wrap_attribute(torch.optim.lr_scheduler.LRScheduler, "step", _once_per_step),
+    lambda: wrap_attribute(torch.optim.lr_scheduler.ReduceLROnPlateau, "step", in_process_plateau_step),
+    lambda: wrap_attribute(torch.nn.Module, "__setattr__", _per_replica_setattr),
+    lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(_in_replicas)),
+    *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(_in_replicas))
+      for name in ("embedding", "embedding_bag")),
 ])
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -39,6 +40,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
@@ -55,7 +57,8 @@ from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
-from torchstrategies.distribute.torch_patches import PatchSet
+from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
+from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import (
     Destinations,
     DistributedValues,
@@ -75,6 +78,7 @@ from torchstrategies.strategies._grad_sync import (
     allreduce_hook,
 )
 from torchstrategies.strategies._health import HealthMonitor
+from torchstrategies.strategies._metric_schedulers import multi_worker_plateau_step
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader, loader_seed
 from torchstrategies.strategies._step_sync import Synchronizers, average_buffers
 
@@ -179,9 +183,15 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             if method is not None:
                 method(optimizer, args, kwargs)
 
-        self._torch_leases.append(PatchSet(
-            "MultiWorkerMirroredStrategy", [lambda: register_optimizer_step_pre_hook(step_pre_hook).remove]
-        ).acquire(self))
+        plateau_step = multi_worker_plateau_step(self)  # (these hold the strategy weakly)
+        shared = _shared_gradient(weakref.ref(self))
+        self._torch_leases.append(PatchSet("MultiWorkerMirroredStrategy", [
+            lambda: register_optimizer_step_pre_hook(step_pre_hook).remove,
+            lambda: wrap_attribute(ReduceLROnPlateau, "step", plateau_step),
+            lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(shared)),
+            *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(shared))
+              for name in ("embedding", "embedding_bag")),
+        ]).acquire(self))
         # Every rank the same interval (debug mode is checked to agree across ranks by the collectives).
         self.divergence_check = DivergenceCheck(
             self._max_all_reduce, 1 if collective_debug.enabled() else DIVERGENCE_CHECK_EVERY)
@@ -370,7 +380,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _new_synchronizer(self, params: list[torch.nn.Parameter], autograd_hooks: bool) -> GradientSynchronizer:
         return GradientSynchronizer(params, self.process_group, self._options.bytes_per_pack, self._comm_hook,
-                                    self._health, autograd_hooks=autograd_hooks)
+                                    self._health, autograd_hooks=autograd_hooks, name_of=self._parameter_name)
+
+    def _parameter_name(self, param: torch.Tensor) -> str:
+        return next((n for n, p in self._named(buffers=False) if p is param), f"of shape {tuple(param.shape)}")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
@@ -378,8 +391,16 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         (the one point per step where buffers are synchronized, docs/strategies.md)."""
         if not self._synchronizers.before_step(optimizer):
             return  # an optimizer of another strategy, or of plain torch beside the strategy
-        self.sync_buffers()
+        self.sync_buffers(optimizer)
         self.divergence_check.on_step(self.named_parameters)
+
+    def synchronizes_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a parameter (or buffer) this strategy adopted (broadcast, synchronized)."""
+        return param in self._synced
+
+    def owns_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps parameters this strategy synchronizes."""
+        return bool(self._synchronizers.for_optimizer(optimizer)[0])
 
     def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         (out,) = self.all_reduce_tensors(ReduceOp.MAX, [t.to(self._device)])
@@ -407,10 +428,15 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         checkpoint save). Every worker calls it."""
         self.divergence_check.check(self.named_parameters(), when)
 
-    def sync_buffers(self) -> None:
+    def sync_buffers(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The buffers of the modules made in the scope that are declared MEAN (``distribute/buffers.py``:
         norm layers' running statistics, ``ts.declare_buffer_aggregation``) become their cross-worker mean;
         every other buffer must be equal on every rank. Every worker calls it (at each ``optimizer.step()``).
+
+        At a step of ``optimizer``: the modules that share a parameter with it, and those with no trainable
+        parameter (a teacher, a parameterless normalization); not a module trained by another optimizer. So
+        the set is the same on every rank whatever the garbage collector has freed: a model of an earlier
+        fold or sweep trial, kept alive by a reference cycle on one rank only, is not in it.
 
         Raises:
             ReplicaDivergenceError: a buffer not declared MEAN (e.g. ``num_batches_tracked``, a queue)
@@ -420,7 +446,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         tensors: list[torch.Tensor] = []
         mean_ids: set[int] = set()
         seen: set[int] = set()
+        stepped = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
         for root in (r() for r in self._modules):
+            if root is not None and stepped is not None and not _steps_with(root, stepped):
+                continue
             for m in () if root is None else root.modules():
                 for name, b in m._buffers.items():
                     if b is None:
@@ -543,6 +572,27 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return WorkerShardedDataset(cast(DataLoader, dataset), self._world, self._rank, seed,
                                         self._device if fetch else None)
         return super()._experimental_distribute_dataset(dataset, options)
+
+
+def _shared_gradient(ref: weakref.ref[MultiWorkerMirroredExtended]) -> Callable[[torch.Tensor], bool]:
+    """Whether a parameter's gradient is this worker's share (``distribute/replica_share.py``)."""
+
+    def shared(param: torch.Tensor) -> bool:
+        ext = ref()
+        return ext is not None and ext.world_size > 1 and ext.synchronizes_parameter(param)
+
+    return shared
+
+
+def _steps_with(module: torch.nn.Module, stepped: set[int]) -> bool:
+    """Whether ``module``'s buffers are synchronized at a step of the optimizer over ``stepped`` (ids of its
+    live parameters): it has one of them, or no trainable parameter at all."""
+    trainable = False
+    for p in module.parameters():
+        if id(p) in stepped:
+            return True
+        trainable = trainable or p.requires_grad
+    return not trainable
 
 
 def module_device_mismatch(module: torch.nn.Module, device: torch.device) -> bool:

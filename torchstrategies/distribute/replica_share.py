@@ -1,0 +1,126 @@
+"""Gradient computations that see one replica's share of the batch where one device sees the global batch:
+named on first use, with what to do.
+
+Every replica computes the gradient of its own rows; the strategy sums them. Whatever acts on a replica's
+gradient before that sum gets ``g_r`` where one device gets ``sum_r g_r``: right when it is linear in the
+gradient (a scale, a mask), wrong otherwise, and which it is can not be seen from the outside. So:
+
+* a gradient hook on a parameter (``p.register_hook(fn)``) raises ``RuntimeError`` the first time it runs
+  on a replica's share (in-process: inside a replica of a strategy with several; MultiWorkerMirrored: on a
+  parameter it synchronizes, with several workers), unless it was declared linear with
+  :func:`linear_gradient_hook` (then it is right as it is: ``sum_r fn(g_r) = fn(sum_r g_r)``);
+* ``nn.Embedding(scale_grad_by_freq=True)`` (``F.embedding`` / ``F.embedding_bag`` with it) raises in a
+  training forward on such a parameter: it divides each row's gradient by that row's count in the
+  replica's batch, not in the global batch.
+
+The strategies install the wrappers (``guard_register_hook``, ``guard_embedding``) with a predicate
+``shared(param)``: "is this parameter's gradient a replica's share now".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
+
+_LINEAR = "_torchstrategies_linear_gradient_hook"
+
+Shared = Callable[[torch.Tensor], bool]
+
+
+def linear_gradient_hook(hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """Declares a gradient hook linear in the gradient (a scale, a mask, a projection), so that under a
+    strategy with several replicas it may run on each replica's share: the sum of its results is its result
+    on the global gradient, as on one device.
+
+    Example:
+        >>> import torch, torchstrategies as ts
+        >>> p = torch.nn.Parameter(torch.ones(3))
+        >>> handle = p.register_hook(ts.linear_gradient_hook(lambda g: g * 0.5))
+    """
+
+    @functools.wraps(hook)
+    def linear(grad: torch.Tensor) -> Any:
+        return hook(grad)
+
+    setattr(linear, _LINEAR, True)
+    return linear
+
+
+def is_linear_gradient_hook(hook: object) -> bool:
+    return bool(getattr(hook, _LINEAR, False))
+
+
+def _hook_error(param: torch.Tensor, hook: object) -> RuntimeError:
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    return RuntimeError(
+        f"The gradient hook {name} on a parameter of shape {tuple(param.shape)} runs on each replica's share of "
+        "the gradient (the gradient of that replica's rows), not on the global batch's as on one device; the "
+        "strategy sums what it returns. That is right only for a hook linear in the gradient. A non-linear one "
+        "(clamp, clipping, normalization, a threshold): apply it to p.grad between loss.backward() and "
+        "optimizer.step(), where every .grad is the global gradient (e.g. p.grad.clamp_(-c, c)). A linear one "
+        "(a scale, a mask): declare it, p.register_hook(ts.linear_gradient_hook(fn))"
+    )
+
+
+def guard_register_hook(shared: Shared) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper of ``torch.Tensor.register_hook``: a hook on a parameter that is not declared linear
+    raises when it runs on a replica's share (``shared(param)``)."""
+
+    def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def register_hook(self: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
+            if not isinstance(self, torch.nn.Parameter) or is_linear_gradient_hook(hook):
+                return orig(self, hook)
+            param = self
+
+            @functools.wraps(hook)
+            def checked(grad: torch.Tensor) -> Any:
+                if shared(param):
+                    raise _hook_error(param, hook)
+                return hook(grad)
+
+            return orig(self, checked)
+
+        return register_hook
+
+    return wrap
+
+
+def guard_embedding(shared: Shared) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper of ``F.embedding`` / ``F.embedding_bag``: ``scale_grad_by_freq=True`` in a forward that
+    records a gradient for a shared weight raises."""
+
+    def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def embedding(input: Any, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if (_scales_by_freq(orig, args, kwargs) and torch.is_grad_enabled() and weight.requires_grad
+                    and shared(weight)):
+                module = "EmbeddingBag" if orig.__name__ == "embedding_bag" else "Embedding"
+                raise RuntimeError(
+                    f"nn.{module}(..., scale_grad_by_freq=True) (F.{orig.__name__}) on a weight of shape "
+                    f"{tuple(weight.shape)} under a strategy with several replicas divides each row's "
+                    "gradient by that row's count in the replica's share of the batch, not in the global batch as "
+                    "on one device, so the replicas' summed gradient differs from one device's. Use "
+                    "scale_grad_by_freq=False, or count the rows over the global batch and scale the gradient "
+                    "rows yourself between loss.backward() and optimizer.step()")
+            return orig(input, weight, *args, **kwargs)
+
+        return embedding
+
+    return wrap
+
+
+# ``scale_grad_by_freq``'s position after (input, weight) in F.embedding and F.embedding_bag.
+_FREQ_POSITION = {"embedding": 3, "embedding_bag": 3}
+
+
+def _scales_by_freq(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if "scale_grad_by_freq" in kwargs:
+        return bool(kwargs["scale_grad_by_freq"])
+    position = _FREQ_POSITION.get(fn.__name__, -1)
+    return 0 <= position < len(args) and bool(args[position])
