@@ -2,8 +2,9 @@
 
 Environment: FT_OUT (folder for the result), FT_STEPS, FT_WAIT_FULL (after FT_STEPS, go on until the
 generation has this many members again), FT_TIMEOUT, FT_MIN_WORKERS, FT_FAULTS (a JSON list of
-{"slot", "restart", "at_least_step", "phase", "action": "kill" | "stop"}: this incarnation kills or stops
-itself at the first phase that matches). Writes <FT_OUT>/<slot>.<pid>.json at the end.
+{"slot", "restart", "at_least_step", "phase", "action": "kill" | "stop", optional "once": a file name that
+only the first worker to get there creates}: this incarnation kills or stops itself at the first phase
+that matches). Writes <FT_OUT>/<slot>.<pid>.json at the end.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def main() -> int:
         for f in faults:
             if f["phase"] == name and loop.steps >= f["at_least_step"]:
                 faults.remove(f)
+                if "once" in f:  # the first worker to get here takes the fault, the others do not
+                    try:
+                        os.close(os.open(os.path.join(os.environ["FT_OUT"], f["once"]), os.O_CREAT | os.O_EXCL))
+                    except FileExistsError:
+                        return
                 os.kill(os.getpid(), signal.SIGKILL if f["action"] == "kill" else signal.SIGSTOP)
 
     loop.phase_hook = phase

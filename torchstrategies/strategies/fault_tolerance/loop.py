@@ -83,8 +83,8 @@ class TransactionalLoop:
         generation: the current generation (None between generations).
         aborted, refused, healed_at: steps discarded here, times this worker was refused, and the ``steps``
             at which it received the live state (None: it never did).
-        phase_hook: called with the phase name ("forward", "all_reduce", "commit", "apply", "heal",
-            "heal_header"); for fault-injection tests.
+        phase_hook: called with the phase name ("forward", "all_reduce", "commit", "apply", "heal_send"
+            (the heal's source), "heal" (the others), "heal_header"); for fault-injection tests.
     """
 
     def __init__(self, membership: Membership, min_workers: int, timeout: float,
@@ -154,7 +154,7 @@ class TransactionalLoop:
                 "job from its last checkpoint")
         src = gen.steps.index(most) if most >= 0 else 0
         receives = gen.index != src and (most < 0 or gen.steps[gen.index] != most)
-        self._phase("heal")
+        self._phase("heal_send" if gen.index == src else "heal")
         assert self.group is not None
         state = broadcast_state(self.group, src, self._live_state, self._device, self._phase)
         if receives:
