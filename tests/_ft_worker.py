@@ -55,7 +55,7 @@ def main() -> int:
     opts = ts.FaultTolerance(min_workers=int(os.environ.get("FT_MIN_WORKERS", "1")),
                              timeout_seconds=float(os.environ["FT_TIMEOUT"]), heartbeat_seconds=0.05,
                              dead_after_seconds=0.5)
-    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(opts)
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(opts, os.environ.get("FT_IMPLEMENTATION", "GLOO"))
     with strategy.scope():
         dataset, model = problem()
         opt, sched = optimizer_and_scheduler(model)
