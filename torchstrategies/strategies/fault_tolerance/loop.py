@@ -38,7 +38,7 @@ from torchstrategies.strategies.fault_tolerance.state_transfer import broadcast_
 
 __all__ = ["TransactionalLoop", "make_group"]
 
-log = logging.getLogger("torchstrategies.fault_tolerance")
+log = logging.getLogger("torchstrategies.multi_worker")
 
 Group = Any  # a c10d ProcessGroupGloo or our backend: both have allreduce / broadcast returning a Work
 

@@ -35,7 +35,7 @@ from torchstrategies.strategies.fault_tolerance.options import WORKER_ENV, Fault
 
 __all__ = ["Generation", "Membership", "Refused", "connect"]
 
-log = logging.getLogger("torchstrategies.fault_tolerance")
+log = logging.getLogger("torchstrategies.multi_worker")
 
 
 @dataclasses.dataclass(frozen=True)
