@@ -139,6 +139,7 @@ class TransactionalLoop:
                 self.group = None
                 continue
             self.generation = gen
+            self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
             return
@@ -178,6 +179,7 @@ class TransactionalLoop:
                 "cuda_rng": torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None}
 
     def _leave_group(self) -> None:
+        self._membership.end()
         self.group = None
         self.generation = None
 
