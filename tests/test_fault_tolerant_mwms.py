@@ -155,16 +155,19 @@ def test_a_frozen_worker_is_dropped_after_the_timeout_refused_when_it_wakes_and_
 
 
 @pytest.mark.timeout(150)
-def test_the_heal_source_killed_during_the_heal_costs_no_step(tmp_path):
-    # Slot 1 dies; when it comes back, whichever survivor sends it the state dies while sending (once):
-    # the returning worker still has no state and heals from the last survivor that has it.
-    faults = [{"slot": 1, "restart": 0, "at_least_step": 3, "phase": "forward", "action": "kill"}] + [
+def test_the_heal_source_and_the_returning_worker_killed_during_the_heal_cost_no_step(tmp_path):
+    # Slot 1 dies; when it comes back, whichever survivor sends it the state dies as it starts sending
+    # (once), and the returning worker itself dies the first time it has received the state's header: it
+    # still has no state, comes back again and heals from the last survivor that has the state.
+    faults = [{"slot": 1, "restart": 0, "at_least_step": 3, "phase": "forward", "action": "kill"},
+              {"slot": 1, "restart": 1, "at_least_step": -1, "phase": "heal_header", "action": "kill"}] + [
         {"slot": s, "restart": 0, "at_least_step": 1, "phase": "heal_send", "action": "kill", "once": "source"}
         for s in (0, 2)]
     workers, results = _run(tmp_path, faults)
     assert (tmp_path / "source").exists()
     killed = {w.slot for w in workers if len(w.pids) > 1}
     assert 1 in killed and len(killed) == 2
+    assert len(next(w for w in workers if w.slot == 1).pids) == 3
     _check_recovered(workers, results, killed)
 
 
