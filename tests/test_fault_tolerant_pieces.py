@@ -139,3 +139,17 @@ def test_a_job_below_min_workers_stops_with_the_named_error(store_address):
     with pytest.raises(MembershipBelowMinimumError, match=r"generation 1 has 1 live worker.*min_workers=2"):
         loop.step(lambda b: model(b[0]).sum())
     strategy.shutdown()
+
+
+def test_the_recovery_benchmark_measures_from_the_kill_to_the_step_in_flight_applied_and_counts_redone_steps():
+    from torchstrategies.bench import fault_tolerance, train
+    from torchstrategies.cli.bench_cmds import bench
+
+    # Steps every 0.1 s; killed at t=2.05 in step 20; a resume from step 15's checkpoint redoes 15..19.
+    before = [(s, 0.1 * s) for s in range(20)]
+    after = [(s, 5.0 + 0.1 * (s - 15)) for s in range(15, 25)]
+    row = fault_tolerance._measure([before + after], kill_at=20, t_kill=2.05)
+    assert row["time lost (s)"] == pytest.approx(5.5 - 2.05)
+    assert row["steps redone"] == 5 and row["step (ms)"] == pytest.approx(100.0)
+    train._runner_names(["ft-GLOO", "ft-AUTO"], None)  # the bench train rows exist
+    bench.commands["ft-recovery"].make_context("ft-recovery", ["--nproc", "3", "--kill-at", "30"])
