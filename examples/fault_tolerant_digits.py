@@ -66,9 +66,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         return ts.compute_average_loss(per_example, global_batch_size=args.batch_size)
 
     loss = float("nan")
-    while loop.steps < total:
-        loss = loop.step(loss_fn)  # the global batch's loss, once the step is committed on every worker
-        time.sleep(args.step_seconds)
+    try:
+        while loop.steps < total:
+            loss = loop.step(loss_fn)  # the global batch's loss, once the step is committed on every worker
+            time.sleep(args.step_seconds)
+    except ts.errors.CancelledError as exc:  # restarted after the others had finished: nothing to do
+        print(f"worker {os.environ.get('TORCHSTRATEGIES_FT_WORKER')}: {exc}", file=sys.stderr)
+        strategy.shutdown()
+        return None
 
     with torch.no_grad():  # every worker holds the same model: evaluate the whole held-out set
         x, y = test_set.tensors

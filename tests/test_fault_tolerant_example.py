@@ -25,5 +25,7 @@ def test_fault_tolerant_digits_example_survives_a_killed_worker_and_trains_to_95
     assert len(lines) == 1, proc.stdout[-2000:]  # member 0 of the last generation alone reports
     result = json.loads(lines[0][len("RESULT "):])
     assert result["strategy"] == "FaultTolerantMultiWorkerMirroredStrategy"
-    assert result["steps"] == 8 * 21 and result["workers"] == 3
+    # The restarted worker is back before the end (3 workers) unless the machine is slow enough for the
+    # other two to finish first; then it leaves with "the job finished" (CancelledError) and status 0.
+    assert result["steps"] == 8 * 21 and result["workers"] in (2, 3)
     assert result["accuracy"] >= 0.95, result

@@ -153,3 +153,24 @@ def test_the_recovery_benchmark_measures_from_the_kill_to_the_step_in_flight_app
     assert row["steps redone"] == 5 and row["step (ms)"] == pytest.approx(100.0)
     train._runner_names(["ft-GLOO", "ft-AUTO"], None)  # the bench train rows exist
     bench.commands["ft-recovery"].make_context("ft-recovery", ["--nproc", "3", "--kill-at", "30"])
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_comes_back_after_the_job_finished_is_told_so(store_address):
+    from torchstrategies.errors import CancelledError
+
+    def job() -> tuple[ts.FaultTolerantMultiWorkerMirroredStrategy, object, torch.nn.Module]:
+        strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(ts.FaultTolerance(
+            store=store_address, world_size=1, timeout_seconds=5.0, heartbeat_seconds=0.05, dead_after_seconds=0.3))
+        model = torch.nn.Linear(2, 1)
+        data = ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(8, 2)), 4)
+        return strategy, strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data), model
+
+    first, loop, model = job()
+    for _ in range(3):
+        loop.step(lambda b: model(b[0]).sum())
+    first.shutdown()  # the job's only member ends its training
+    late, late_loop, late_model = job()
+    with pytest.raises(CancelledError, match="finished at step 3 before this worker could rejoin"):
+        late_loop.step(lambda b: late_model(b[0]).sum())
+    late.shutdown()

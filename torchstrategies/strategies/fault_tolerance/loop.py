@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.distribute.buffers import is_mean_buffer
-from torchstrategies.errors import MembershipBelowMinimumError, UnavailableError
+from torchstrategies.errors import CancelledError, MembershipBelowMinimumError, UnavailableError
 from torchstrategies.strategies.fault_tolerance.global_batches import GlobalBatches
 from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership, Refused
 from torchstrategies.strategies.fault_tolerance.state_transfer import broadcast_state
@@ -132,7 +132,7 @@ class TransactionalLoop:
             try:
                 self.group = make_group(self._membership.store, gen, self._timeout, self._implementation)
                 self._heal(gen)
-            except UnavailableError:
+            except (UnavailableError, CancelledError):
                 raise
             except RuntimeError as exc:  # a member was lost while forming: the next generation
                 log.warning("generation %d could not start (%s); forming the next", gen.number, exc)
@@ -149,6 +149,10 @@ class TransactionalLoop:
         if most >= 0 and all(s == most for s in gen.steps):
             return
         if most < 0 and self._membership.state_existed():
+            finished = self._membership.finished()
+            if finished is not None:
+                raise CancelledError(f"fault-tolerant MultiWorkerMirrored: the job finished at step {finished} "
+                                     "before this worker could rejoin it; there is nothing left to do")
             raise UnavailableError(
                 f"fault-tolerant MultiWorkerMirrored: generation {gen.number} ({list(gen.members)}) has no member "
                 "holding the job's state: every worker that held it is gone (or the job finished). Restart the "
@@ -215,6 +219,8 @@ class TransactionalLoop:
 
         Raises:
             MembershipBelowMinimumError: fewer live workers than ``min_workers``.
+            CancelledError: this worker came back after the job finished (a member's ``shutdown()``).
+            UnavailableError: no live worker holds the job's state any more.
         """
         while True:
             if self.group is None:
@@ -307,6 +313,8 @@ class TransactionalLoop:
         torch.set_rng_state(rng)
 
     def close(self) -> None:
+        if self.generation is not None:  # a member in good standing ends the job's training here
+            self._membership.mark_finished(self.steps)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -188,6 +188,13 @@ class Membership:
     def state_existed(self) -> bool:
         return bool(self.store.check(["state"]))
 
+    def mark_finished(self, steps: int) -> None:
+        """A member that holds the state ended its training at ``steps`` (``strategy.shutdown()``)."""
+        self.store.set("finished", str(steps))
+
+    def finished(self) -> int | None:
+        return int(_key_text(self.store, "finished")) if self.store.check(["finished"]) else None
+
     # --- the commit of a step -----------------------------------------------------------------------------
     def begin(self, gen: Generation, first_step: int) -> None:
         """This worker is a member of ``gen``, whose first step is ``first_step``."""
