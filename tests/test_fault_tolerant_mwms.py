@@ -110,7 +110,7 @@ def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[in
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [5, 11])  # (slot 2, "commit", step 7), (slot 1, "apply", step 5)
 def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tmp_path, seed):
     import random
 

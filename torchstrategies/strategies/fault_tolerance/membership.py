@@ -151,7 +151,9 @@ class Membership:
         beats: dict[str, tuple[int, float]] = {}
         while not self.store.check([key]):
             regs = self._registrations(number)
-            if self._may_close([r.split()[0] for r in regs], expected, deadline if steps >= 0 else None, beats):
+            stateless = all(int(r.split()[1]) < 0 for r in regs)
+            if self._may_close([r.split()[0] for r in regs], expected, deadline if steps >= 0 else None, beats,
+                               stateless and previous is not None):
                 self.store.compare_set(key, "", ",".join(regs))
                 break
             time.sleep(0.01)
@@ -161,10 +163,11 @@ class Membership:
         return Generation(number, ids, got, ids.index(self.me))
 
     def _may_close(self, ids: list[str], expected: tuple[str, ...], deadline: float | None,
-                   beats: dict[str, tuple[int, float]]) -> bool:
+                   beats: dict[str, tuple[int, float]], stateless: bool) -> bool:
         """Whether this registrant's view closes the generation: every expected member registered or silent
-        for ``dead_after_seconds``; or the deadline passed (``None``: a registrant without state never
-        closes on the deadline, so a returning worker cannot shut out live members that hold the state)."""
+        for ``dead_after_seconds`` (``timeout_seconds`` when no registrant holds the state, so that a
+        heartbeat starved on a loaded machine cannot make returning workers shut out the members that hold
+        it); or the deadline passed (``None``: a registrant without state never closes on the deadline)."""
         now = time.monotonic()
         if not expected:  # the first generation: wait for the launch's workers
             return len(ids) >= self.options.resolved_world_size() or now >= self._start_deadline(deadline)
@@ -176,7 +179,8 @@ class Membership:
             beat = int(self.store.add(k, 0))
             if e not in beats or beats[e][0] != beat:
                 beats[e] = (beat, now)
-        return all(now - beats[e][1] >= self.options.dead_after_seconds for e in missing)
+        silent = self.options.timeout_seconds if stateless else self.options.dead_after_seconds
+        return all(now - beats[e][1] >= silent for e in missing)
 
     def _start_deadline(self, deadline: float | None) -> float:
         return deadline if deadline is not None else self._formed_at + self.options.timeout_seconds
