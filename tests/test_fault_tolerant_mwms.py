@@ -4,12 +4,14 @@ no step. Each run: 3 workers under the fault-tolerant launcher (which restarts a
 dataset (tests/_ft_worker.py). Every run checks: the survivors' pids never changed; every step was applied
 exactly once by each process that held the state at that step (counted by an optimizer post-hook); the
 final parameters equal one device's run over the same global batches within 1e-12; every worker holds the
-same parameters, momentum, scheduler step and random state bit for bit; no thread is left after
+same parameters, momentum, scheduler step and random state bit for bit, the random state being one draw per
+committed step (a discarded step's draw is given back); no thread is left after
 ``shutdown()`` and no shared-memory segment is left.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -102,6 +104,15 @@ def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[in
         assert r["tasks_at_end"] <= r["tasks_after_first"], (r["tasks_at_end"], r["tasks_after_first"])
         for key in ("params", "momentum", "rng", "sched", "lr"):
             assert r[key] == final[0][key], f"slot {r['slot']} differs from slot {final[0]['slot']} in {key}"
+    # The random state is the first generation's source's (seeded 100 + its slot) after one draw per
+    # committed step: a discarded step's draw was given back.
+    expected_rng = set()
+    for s in range(3):
+        torch.manual_seed(100 + s)
+        for _ in range(steps):
+            torch.rand(())
+        expected_rng.add(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
+    assert final[0]["rng"] in expected_rng
     params, momentum = _reference(steps)
     torch.testing.assert_close(torch.tensor(final[0]["params"], dtype=torch.float64), params, rtol=0,
                                atol=TOLERANCE)
