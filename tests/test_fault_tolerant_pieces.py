@@ -174,3 +174,25 @@ def test_a_worker_that_comes_back_after_the_job_finished_is_told_so(store_addres
     with pytest.raises(CancelledError, match="finished at step 3 before this worker could rejoin"):
         late_loop.step(lambda b: late_model(b[0]).sum())
     late.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_one_worker_job_with_batchnorm_keeps_the_running_statistics_of_plain_torch(store_address):
+    torch.manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(32, 3, dtype=torch.float64))
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model.load_state_dict(reference.state_dict())
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
+        ts.FaultTolerance(store=store_address, world_size=1, timeout_seconds=5.0))
+    data = ts.GlobalBatches(dataset, global_batch_size=8, seed=2)
+    loop = strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(4):
+        loop.step(lambda b: model(b[0]).pow(2).sum() / 8)
+        ref_opt.zero_grad()
+        (reference(data.local_batch(k, 0, 1)[0]).pow(2).sum() / 8).backward()
+        ref_opt.step()
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14, msg=name)
+    strategy.shutdown()
