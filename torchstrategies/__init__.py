@@ -44,6 +44,14 @@ from torchstrategies import checkpoint  # noqa: E402
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy  # noqa: E402
 
 __all__ += ["MultiWorkerMirroredStrategy", "checkpoint"]
+# The fault-tolerant mode of MultiWorkerMirrored (issue 48).
+from torchstrategies.strategies.fault_tolerance import (  # noqa: E402
+    FaultTolerance,
+    FaultTolerantMultiWorkerMirroredStrategy,
+    GlobalBatches,
+)
+
+__all__ += ["FaultTolerance", "FaultTolerantMultiWorkerMirroredStrategy", "GlobalBatches"]
 
 # ParameterServerStrategy (issue 6): ts.ParameterServerStrategy, ts.coordinator, ts.partitioners.
 from torchstrategies import coordinator, partitioners  # noqa: E402

@@ -161,6 +161,7 @@ def _modules() -> dict[str, bool]:
         "torchstrategies.bench.train",
         "torchstrategies.bench.train_ps",
         "torchstrategies.bench.train_inproc",
+        "torchstrategies.bench.fault_tolerance",
     )
     return {n: importlib.util.find_spec(n) is not None for n in names}
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError"
+    "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError",
+    "MembershipBelowMinimumError",
 ]
 
 
@@ -26,3 +27,8 @@ class CancelledError(TorchStrategiesError):
 class ReplicaDivergenceError(TorchStrategiesError):
     """Replicas (in-process replicas or MultiWorkerMirrored ranks) hold different values of a tensor that
     must be the same on every replica (a parameter, an integer buffer); the message names the tensor."""
+
+
+class MembershipBelowMinimumError(UnavailableError):
+    """A fault-tolerant MultiWorkerMirrored job has fewer live workers than ``FaultTolerance.min_workers``:
+    the message names the generation, its members and the minimum."""

@@ -38,7 +38,8 @@ from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
 __all__ = ["run", "plot", "register_runner", "RUNNERS", "RUNNER_MODULES", "BenchContext"]
 
 # Modules imported by the worker before it looks up runners; each may call register_runner(...).
-RUNNER_MODULES: list[str] = ["torchstrategies.bench.keras_fit"]   # keras-mwms, keras-one-process (not default rows)
+RUNNER_MODULES: list[str] = ["torchstrategies.bench.keras_fit",   # keras-mwms, keras-one-process (not default rows)
+                              "torchstrategies.bench.fault_tolerance"]   # ft-GLOO, ft-AUTO (not default rows)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc``: the one way to run a benchmark.
+"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc | ft-recovery``: the one way to run a
+benchmark.
 
 Each subcommand imports ``torchstrategies.bench.<name>`` when it runs, calls its ``run(...)`` with the
 options the user gave (options left at their defaults are not passed, so the module's own defaults
@@ -50,6 +51,7 @@ BENCH_MODULES = {
     "train": "torchstrategies.bench.train",
     "train-ps": "torchstrategies.bench.train_ps",
     "inproc": "torchstrategies.bench.train_inproc",
+    "ft-recovery": "torchstrategies.bench.fault_tolerance",
 }
 
 
@@ -278,3 +280,19 @@ def inproc(ctx: click.Context, steps, repeats, groups, threads, tf_python, tf_in
     opts = {"steps": steps, "repeats": repeats, "groups": groups, "threads": threads, "tf_python": tf_python,
             "tf_inter_op": tf_inter_op, "progress": progress}
     _run_and_emit(ctx, "inproc", opts)
+
+
+@bench.command("ft-recovery")
+@nproc_option("Workers to launch (both jobs).", 2, 3)
+@count_option("--steps", "steps", "Steps each job trains (default 120).")
+@count_option("--kill-at", "kill_at", "The step in flight when worker 1 is killed (default 40).")
+@count_option("--checkpoint-every", "checkpoint_every", "The restart path's checkpoint interval (default 25).")
+@count_option("--batch-size", "batch_size", "Batch per worker (default 64).")
+@output_options
+@click.pass_context
+def ft_recovery(ctx: click.Context, nproc, steps, kill_at, checkpoint_every, batch_size, progress, **_) -> None:
+    """Time lost per worker failure: the fault-tolerant mode (survivors go on, the worker heals from a peer)
+    against torchrun --max-restarts resuming from the last checkpoint, in one run."""
+    opts = {"nproc": nproc, "steps": steps, "kill_at": kill_at, "checkpoint_every": checkpoint_every,
+            "batch_size": batch_size, "progress": progress}
+    _run_and_emit(ctx, "ft-recovery", opts, always={"nproc"})

@@ -1,0 +1,193 @@
+"""Fault-tolerant MultiWorkerMirrored under real processes: a worker killed (SIGKILL) or frozen (SIGSTOP) costs
+no step. Each run: 3 workers under the fault-tolerant launcher (which restarts a dead worker alone, as
+``torchrun --max-restarts`` would restart the whole job), float64 MLP, SGD with momentum, StepLR, a shuffled
+dataset (tests/_ft_worker.py). Every run checks: the survivors' pids never changed; every step was applied
+exactly once by each process that held the state at that step (counted by an optimizer post-hook); the
+final parameters equal one device's run over the same global batches within 1e-12; every worker holds the
+same parameters, momentum, scheduler step and random state bit for bit, the random state being one draw per
+committed step (a discarded step's draw is given back); no thread is left after
+``shutdown()`` and no shared-memory segment is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from tests import _ft_worker
+from torchstrategies.strategies.fault_tolerance import GlobalBatches
+from torchstrategies.strategies.fault_tolerance.launch import Worker, launch
+
+STEPS = 12
+TIMEOUT = 3.0  # the collective and commit timeout of these runs (a frozen worker is dropped after it)
+TOLERANCE = 1e-12  # |parameter - one device's| (float64; the gradient sum is grouped differently)
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if "torchstrat" in n or "tstrat" in n}
+
+
+def _reference(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One device, the whole global batch each step: the parameters and momentum after ``steps``."""
+    dataset, model = _ft_worker.problem()
+    opt, sched = _ft_worker.optimizer_and_scheduler(model)
+    data = GlobalBatches(dataset, _ft_worker.GLOBAL_BATCH, seed=7)
+    for k in range(steps):
+        opt.zero_grad()
+        _ft_worker.loss_of(model, data.local_batch(k, 0, 1)).backward()
+        opt.step()
+        sched.step()  # type: ignore[attr-defined]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    return flat, momentum
+
+
+def _resume_stopped(stopped: dict[int, float]):
+    """An on_tick for the launcher: SIGCONT a worker TIMEOUT + 2 s after it stopped itself."""
+
+    def tick(workers: list[Worker]) -> None:
+        for w in workers:
+            if w.process.poll() is not None:
+                continue
+            try:
+                with open(f"/proc/{w.process.pid}/stat") as fh:
+                    state = fh.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state == "T":
+                first = stopped.setdefault(w.process.pid, time.monotonic())
+                if time.monotonic() - first > TIMEOUT + 2:
+                    os.kill(w.process.pid, signal.SIGCONT)
+
+    return tick
+
+
+def _run(tmp_path, faults: list[dict], *, nproc: int = 3, max_restarts: int = 2, min_workers: int = 1,
+         wait_full: int | None = None) -> tuple[list[Worker], list[dict]]:
+    shm_before = _shm()
+    env = dict(os.environ, FT_OUT=str(tmp_path), FT_STEPS=str(STEPS), FT_TIMEOUT=str(TIMEOUT),
+               FT_FAULTS=json.dumps(faults), FT_MIN_WORKERS=str(min_workers),
+               FT_WAIT_FULL=str(nproc if wait_full is None else wait_full), TORCHSTRATEGIES_LOG_LEVEL="ERROR")
+    stopped: dict[int, float] = {}
+    workers = launch([sys.executable, _ft_worker.__file__], nproc, max_restarts, env=env, timeout=100,
+                     on_tick=_resume_stopped(stopped))
+    results = [json.loads((tmp_path / f).read_text()) for f in sorted(os.listdir(tmp_path)) if f.endswith(".json")]
+    assert _shm() <= shm_before, f"shared-memory segments left: {_shm() - shm_before}"
+    return workers, results
+
+
+def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[int]) -> None:
+    assert all(w.returncode == 0 for w in workers), [(w.slot, w.pids, w.returncode) for w in workers]
+    for w in workers:
+        if w.slot not in faulted:
+            assert len(w.pids) == 1, f"survivor slot {w.slot} was restarted: pids {w.pids}"
+    final = [r for r in results if r["pid"] in {w.pids[-1] for w in workers}]
+    assert len(final) == len(workers)
+    steps = final[0]["steps"]
+    assert steps >= STEPS
+    for r in final:
+        assert r["steps"] == steps and r["error"] is None
+        # Every step from the one it healed at (0: it started with the job) applied exactly once; before a
+        # heal (a frozen worker that was refused) the steps it applied were consecutive from 0.
+        h = r["healed_at"] or 0
+        assert [a for a in r["applied"] if a >= h] == list(range(h, steps)), (r["slot"], h, r["applied"])
+        before = [a for a in r["applied"] if a < h]
+        assert before == list(range(len(before))), (r["slot"], before)
+        assert r["threads"] == ["MainThread"], r["threads"]
+        assert r["tasks_at_end"] <= r["tasks_after_first"], (r["tasks_at_end"], r["tasks_after_first"])
+        for key in ("params", "momentum", "rng", "sched", "lr"):
+            assert r[key] == final[0][key], f"slot {r['slot']} differs from slot {final[0]['slot']} in {key}"
+    # The random state is the first generation's source's (seeded 100 + its slot) after one draw per
+    # committed step: a discarded step's draw was given back.
+    expected_rng = set()
+    for s in range(3):
+        torch.manual_seed(100 + s)
+        for _ in range(steps):
+            torch.rand(())
+        expected_rng.add(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
+    assert final[0]["rng"] in expected_rng
+    params, momentum = _reference(steps)
+    torch.testing.assert_close(torch.tensor(final[0]["params"], dtype=torch.float64), params, rtol=0,
+                               atol=TOLERANCE)
+    torch.testing.assert_close(torch.tensor(final[0]["momentum"], dtype=torch.float64), momentum, rtol=0,
+                               atol=TOLERANCE)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seed", [5, 11])  # (slot 2, "commit", step 7), (slot 1, "apply", step 5)
+def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    slot = rng.randrange(3)
+    phase = rng.choice(["forward", "all_reduce", "commit", "apply"])
+    fault = {"slot": slot, "restart": 0, "at_least_step": rng.randrange(2, STEPS - 4), "phase": phase,
+             "action": "kill"}
+    workers, results = _run(tmp_path, [fault])
+    victim = next(w for w in workers if w.slot == slot)
+    assert len(victim.pids) == 2
+    _check_recovered(workers, results, {slot})
+    rejoined = next(r for r in results if r["pid"] == victim.pids[-1])
+    assert rejoined["healed_at"] >= fault["at_least_step"]
+    survivors = [r for r in results if r["slot"] != slot]
+    # Killed before its all-reduce completed everywhere, the step is redone; killed at "apply" (the
+    # decision was commit), it is not: either way no survivor applied a step twice (checked above).
+    assert all(r["aborted"] <= 1 for r in survivors)
+
+
+@pytest.mark.timeout(150)
+def test_two_workers_killed_in_a_row_cost_no_step(tmp_path):
+    faults = [{"slot": 1, "restart": 0, "at_least_step": 3, "phase": "all_reduce", "action": "kill"},
+              {"slot": 2, "restart": 0, "at_least_step": 4, "phase": "forward", "action": "kill"}]
+    workers, results = _run(tmp_path, faults)
+    _check_recovered(workers, results, {1, 2})
+    survivor = next(r for r in results if r["slot"] == 0)
+    assert survivor["aborted"] >= 2
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_worker_is_dropped_after_the_timeout_refused_when_it_wakes_and_rejoins_as_new(tmp_path):
+    # Frozen after its all-reduce completed, before it counted itself in the commit: the others wait for
+    # the decision, write "abort" after the timeout and go on; woken, it reads "abort", is refused by the
+    # next generation and comes back without state.
+    faults = [{"slot": 2, "restart": 0, "at_least_step": 4, "phase": "commit", "action": "stop"}]
+    workers, results = _run(tmp_path, faults)
+    _check_recovered(workers, results, set())
+    frozen = next(r for r in results if r["slot"] == 2)
+    assert frozen["refused"] >= 1 and frozen["healed_at"] >= 4
+    assert frozen["applied"][:4] == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(150)
+def test_the_heal_source_and_the_returning_worker_killed_during_the_heal_cost_no_step(tmp_path):
+    # Slot 1 dies; when it comes back, whichever survivor sends it the state dies as it starts sending
+    # (once), and the returning worker itself dies the first time it has received the state's header: it
+    # still has no state, comes back again and heals from the last survivor that has the state.
+    faults = [{"slot": 1, "restart": 0, "at_least_step": 3, "phase": "forward", "action": "kill"},
+              {"slot": 1, "restart": 1, "at_least_step": -1, "phase": "heal_header", "action": "kill"}] + [
+        {"slot": s, "restart": 0, "at_least_step": 1, "phase": "heal_send", "action": "kill", "once": "source"}
+        for s in (0, 2)]
+    workers, results = _run(tmp_path, faults)
+    assert (tmp_path / "source").exists()
+    killed = {w.slot for w in workers if len(w.pids) > 1}
+    assert 1 in killed and len(killed) == 2
+    assert len(next(w for w in workers if w.slot == 1).pids) == 3
+    _check_recovered(workers, results, killed)
+
+
+@pytest.mark.timeout(150)
+def test_fewer_live_workers_than_min_workers_stops_the_job_with_a_named_error(tmp_path):
+    faults = [{"slot": 1, "restart": 0, "at_least_step": 3, "phase": "forward", "action": "kill"}]
+    workers, results = _run(tmp_path, faults, nproc=2, max_restarts=0, min_workers=2, wait_full=0)
+    (survivor,) = results
+    assert survivor["slot"] == 0 and survivor["steps"] == 3
+    assert survivor["error"].startswith("MembershipBelowMinimumError")
+    assert "min_workers=2" in survivor["error"]
+    assert [w.returncode for w in workers] == [3, -signal.SIGKILL]

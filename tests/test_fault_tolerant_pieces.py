@@ -1,0 +1,198 @@
+"""The fault-tolerant mode's pieces in one process: the state header (typed, nothing unpickled), the global
+batches (the order MultiWorkerMirrored reads, any split), the options, the commit's one decision, and a
+one-worker job's training equal to plain torch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchstrategies as ts
+from torchstrategies.errors import MembershipBelowMinimumError
+from torchstrategies.strategies._mw_input import WorkerBatchSampler
+from torchstrategies.strategies.fault_tolerance.membership import Membership
+from torchstrategies.strategies.fault_tolerance.state_transfer import decode, encode
+
+
+def test_the_state_header_round_trips_optimizer_and_scheduler_state_with_types_kept():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
+             "flags": torch.tensor([True, False]), "t": (1, 2.5, None, "x")}
+    header, tensors = encode(state)
+    back = decode(header, [t.clone() for t in tensors])
+    assert back["t"] == (1, 2.5, None, "x")
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert set(back["optimizer"]["state"]) == {0, 1}  # int keys stay int
+    assert back["flags"].dtype == torch.bool and torch.equal(back["rng"], state["rng"])
+    fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.5)
+    fresh.load_state_dict(back["optimizer"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_the_state_header_refuses_what_it_cannot_type_and_malformed_headers():
+    with pytest.raises(TypeError, match=r"state\.f: function"):
+        encode({"f": lambda: 0})
+    with pytest.raises(TypeError, match="neither str nor int"):
+        encode({(1, 2): 3})
+    with pytest.raises(ValueError, match="malformed"):
+        decode(b'{"p": "os.system"}', [])
+
+
+def test_global_batches_are_the_multi_worker_order_and_any_split_covers_each_global_batch_once():
+    data = ts.GlobalBatches(torch.utils.data.TensorDataset(torch.arange(50)), global_batch_size=8, seed=3)
+    sampler = WorkerBatchSampler(50, 8, 1, 0, True, 3, True)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for b, indices in enumerate(sampler):
+            assert data.indices(epoch * len(data) + b) == indices
+    for members in (1, 2, 3, 5):
+        parts = [data.local_indices(9, i, members) for i in range(members)]
+        assert sum(parts, []) == data.indices(9)
+    (empty,) = data.local_batch(0, 8, 9)   # 8 rows, 9 members: the last gets no row, same structure
+    assert empty.shape == (0,)
+
+
+def test_fault_tolerance_options_name_the_bad_value():
+    with pytest.raises(ValueError, match="min_workers must be an int >= 1, got 0"):
+        ts.FaultTolerance(min_workers=0)
+    with pytest.raises(ValueError, match="dead_after_seconds"):
+        ts.FaultTolerance(heartbeat_seconds=1.0, dead_after_seconds=1.5)
+    with pytest.raises(ValueError, match="TORCHSTRATEGIES_FT_STORE"):
+        ts.FaultTolerance(store="nohost").resolved_store()
+
+
+@pytest.fixture
+def store_address():
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{host.port}"
+    del host
+
+
+@pytest.mark.timeout(60)
+def test_the_commit_has_one_decision_even_when_a_late_member_counts_itself_after_an_abort(store_address):
+    opts = ts.FaultTolerance(store=store_address, world_size=2, timeout_seconds=1.0)
+    a, b = Membership(opts), Membership(opts)
+    try:
+        gens = {}
+        threads = [threading.Thread(target=lambda m=m: gens.__setitem__(m.me, m.form(1, None, -1))) for m in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ga, gb = gens[a.me], gens[b.me]
+        assert ga.members == gb.members and {ga.index, gb.index} == {0, 1}
+        a.begin(ga, 0)
+        b.begin(gb, 0)
+        assert a.commit(ga, 0, False) == (False, 0)       # a's all-reduce failed: abort
+        assert b.commit(gb, 0, True) == (False, 0)        # b completed it, and counts itself: still abort
+        a.end()
+        b.end()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_one_worker_job_trains_as_plain_torch_and_a_second_loop_is_refused(store_address):
+    torch.manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(40, 4, dtype=torch.float64),
+                                             torch.randn(40, 1, dtype=torch.float64))
+    reference = torch.nn.Linear(4, 1).double()
+    model = torch.nn.Linear(4, 1).double()
+    model.load_state_dict(reference.state_dict())
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
+        ts.FaultTolerance(store=store_address, world_size=1, timeout_seconds=5.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = ts.GlobalBatches(dataset, global_batch_size=8, seed=1)
+    loop = strategy.training_loop(model, opt, data)
+    with pytest.raises(RuntimeError, match="already has a training loop"):
+        strategy.training_loop(model, opt, data)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for k in range(7):
+        loss = loop.step(lambda b: ((model(b[0]) - b[1]) ** 2).sum() / 8)
+        x, y = data.local_batch(k, 0, 1)
+        ref_opt.zero_grad()
+        ref_loss = ((reference(x) - y) ** 2).sum() / 8
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-14)
+    assert loop.steps == 7 and loop.aborted == 0 and strategy.num_replicas_in_sync == 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
+    strategy.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_below_min_workers_stops_with_the_named_error(store_address):
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
+        ts.FaultTolerance(store=store_address, world_size=1, min_workers=2, timeout_seconds=5.0))
+    model = torch.nn.Linear(2, 1)
+    loop = strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(8, 2)), 4))
+    with pytest.raises(MembershipBelowMinimumError, match=r"generation 1 has 1 live worker.*min_workers=2"):
+        loop.step(lambda b: model(b[0]).sum())
+    strategy.shutdown()
+
+
+def test_the_recovery_benchmark_measures_from_the_kill_to_the_step_in_flight_applied_and_counts_redone_steps():
+    from torchstrategies.bench import fault_tolerance, train
+    from torchstrategies.cli.bench_cmds import bench
+
+    # Steps every 0.1 s; killed at t=2.05 in step 20; a resume from step 15's checkpoint redoes 15..19.
+    before = [(s, 0.1 * s) for s in range(20)]
+    after = [(s, 5.0 + 0.1 * (s - 15)) for s in range(15, 25)]
+    row = fault_tolerance._measure([before + after], kill_at=20, t_kill=2.05)
+    assert row["time lost (s)"] == pytest.approx(5.5 - 2.05)
+    assert row["steps redone"] == 5 and row["step (ms)"] == pytest.approx(100.0)
+    train._runner_names(["ft-GLOO", "ft-AUTO"], None)  # the bench train rows exist
+    bench.commands["ft-recovery"].make_context("ft-recovery", ["--nproc", "3", "--kill-at", "30"])
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_comes_back_after_the_job_finished_is_told_so(store_address):
+    from torchstrategies.errors import CancelledError
+
+    def job() -> tuple[ts.FaultTolerantMultiWorkerMirroredStrategy, object, torch.nn.Module]:
+        strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(ts.FaultTolerance(
+            store=store_address, world_size=1, timeout_seconds=5.0, heartbeat_seconds=0.05, dead_after_seconds=0.3))
+        model = torch.nn.Linear(2, 1)
+        data = ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(8, 2)), 4)
+        return strategy, strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data), model
+
+    first, loop, model = job()
+    for _ in range(3):
+        loop.step(lambda b: model(b[0]).sum())
+    first.shutdown()  # the job's only member ends its training
+    late, late_loop, late_model = job()
+    with pytest.raises(CancelledError, match="finished at step 3 before this worker could rejoin"):
+        late_loop.step(lambda b: late_model(b[0]).sum())
+    late.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_one_worker_job_with_batchnorm_keeps_the_running_statistics_of_plain_torch(store_address):
+    torch.manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(32, 3, dtype=torch.float64))
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model.load_state_dict(reference.state_dict())
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
+        ts.FaultTolerance(store=store_address, world_size=1, timeout_seconds=5.0))
+    data = ts.GlobalBatches(dataset, global_batch_size=8, seed=2)
+    loop = strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(4):
+        loop.step(lambda b: model(b[0]).pow(2).sum() / 8)
+        ref_opt.zero_grad()
+        (reference(data.local_batch(k, 0, 1)[0]).pow(2).sum() / 8).backward()
+        ref_opt.step()
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14, msg=name)
+    strategy.shutdown()

@@ -1,0 +1,21 @@
+"""The fault-tolerant mode of MultiWorkerMirrored training (docs/fault_tolerance.md).
+
+* ``options.py``: ``FaultTolerance``, the mode's options.
+* ``membership.py``: generations and the commit of each step, in the launcher's TCPStore.
+* ``state_transfer.py``: a live member's state sent to a returning one (tensors and a JSON header).
+* ``global_batches.py``: ``GlobalBatches``, the fixed sequence of global batches split among the members.
+* ``loop.py``: ``TransactionalLoop``, the step as a transaction.
+* ``strategy.py``: ``FaultTolerantMultiWorkerMirroredStrategy``.
+* ``launch.py``: the launcher that hosts the store and restarts each worker alone.
+"""
+
+from torchstrategies.strategies.fault_tolerance.global_batches import GlobalBatches
+from torchstrategies.strategies.fault_tolerance.loop import TransactionalLoop
+from torchstrategies.strategies.fault_tolerance.options import FaultTolerance
+from torchstrategies.strategies.fault_tolerance.strategy import (
+    FaultTolerantExtended,
+    FaultTolerantMultiWorkerMirroredStrategy,
+)
+
+__all__ = ["FaultTolerance", "FaultTolerantMultiWorkerMirroredStrategy", "FaultTolerantExtended", "GlobalBatches",
+           "TransactionalLoop"]
