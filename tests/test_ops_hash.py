@@ -49,7 +49,8 @@ def test_hash_crosses_chunk_and_level_boundaries_as_defined(nbytes):
 
 
 def test_many_tensors_in_one_call_give_each_tensors_own_hash():
-    xs = [_tensor(n, d, seed=i) for i, (n, d) in enumerate([(7, torch.float32), (0, torch.int64), (4097, torch.bfloat16)])]
+    shapes = [(7, torch.float32), (0, torch.int64), (4097, torch.bfloat16)]
+    xs = [_tensor(n, d, seed=i) for i, (n, d) in enumerate(shapes)]
     out = ts.ops.hash_tensors(xs)
     assert out.dtype == torch.int64 and out.shape == (3,)
     assert out.tolist() == [ts.ops.hash_tensors([x]).item() for x in xs]
