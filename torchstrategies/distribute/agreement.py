@@ -109,26 +109,26 @@ def _groups(values: Sequence[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def check_replicas(named: Sequence[tuple[str, torch.Tensor, Sequence[torch.Tensor]]], when: str,
-                   cause: Callable[[torch.Tensor], str]) -> None:
+def check_replicas(items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], when: str,
+                   name_of: Callable[[torch.Tensor], str], cause: Callable[[torch.Tensor], str]) -> None:
     """In-process: raises ``ReplicaDivergenceError`` for the first tensor whose replicas' components differ.
 
     Args:
-        named: (name, the tensor, its components: replica 0's first), components on any devices (CPU and
-            GPU replicas take this same path: each component is hashed where it lives).
+        items: (the replicated tensor, its components or the same part of each: replica 0's first), on any
+            devices (CPU and GPU replicas take this one path: each component is hashed where it lives).
+        name_of: the tensor's name, for the message (called only then).
         cause: the likely cause of a difference in a tensor, for the message.
     """
-    named = [x for x in named if len(x[2]) > 1]
-    if not named:
+    items = [x for x in items if len(x[1]) > 1]
+    if not items:
         return
-    flat = [c.detach() for _, _, comps in named for c in comps]
-    f = fingerprints(flat).tolist()
+    f = fingerprints([c for _, comps in items for c in comps]).tolist()
     off = 0
-    for name, t, comps in named:
+    for t, comps in items:
         values = f[off:off + len(comps)]
         off += len(comps)
         if len(set(values)) > 1:
-            raise divergence_error(name, kind_of(t), "replicas", _groups(values), when, cause(t))
+            raise divergence_error(name_of(t), kind_of(t), "replicas", _groups(values), when, cause(t))
 
 
 class RankAgreement:

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchstrategies.distribute.agreement import RankAgreement, fingerprints
 
-__all__ = ["StepAgreement", "AGREEMENT_SLICES"]
+__all__ = ["StepAgreement", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
 # write torch does not count (version-moved tensors are named at once). Each step hashes 1/8 of the model.
@@ -118,24 +118,35 @@ class StepAgreement:
 
     def _pieces(self, tracked: Sequence[torch.Tensor], piece: int) -> dict[int, torch.Tensor]:
         """Slice ``piece`` of ``slices``: tensor index -> the flat view of its bytes in that piece."""
-        sizes = [t.numel() * t.element_size() for t in tracked]
-        total = sum(sizes)
-        if not total:
-            return {}
-        lo, hi = piece * total // self.slices, (piece + 1) * total // self.slices
-        out: dict[int, torch.Tensor] = {}
-        start = 0
-        for i, (t, size) in enumerate(zip(tracked, sizes)):
-            end = start + size
-            if end > lo and start < hi and size:
-                if not t.is_contiguous():   # whole, in the piece where it starts
-                    if lo <= start < hi:
-                        out[i] = t.detach()
-                else:
-                    e = t.element_size()
-                    a = (min(max(lo - start, 0), size)) // e
-                    b = (min(max(hi - start, 0), size)) // e
-                    if b > a:
-                        out[i] = t.detach().reshape(-1)[a:b]
-            start = end
+        return {i: piece_of(tracked[i], r) for i, r in slice_ranges(tracked, piece, self.slices).items()}
+
+
+def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int] | None]:
+    """Piece ``piece`` of ``slices`` of the tensors' bytes laid end to end: tensor index -> the element range
+    [a, b) of its flat view in that piece (None: the whole tensor, for one that is not contiguous, in the
+    piece where it starts). Every element is in exactly one piece."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(sizes)
+    out: dict[int, tuple[int, int] | None] = {}
+    if not total:
         return out
+    lo, hi = piece * total // slices, (piece + 1) * total // slices
+    start = 0
+    for i, (t, size) in enumerate(zip(tensors, sizes)):
+        end = start + size
+        if end > lo and start < hi and size:
+            if not t.is_contiguous():
+                if lo <= start < hi:
+                    out[i] = None
+            else:
+                e = t.element_size()
+                a, b = min(max(lo - start, 0), size) // e, min(max(hi - start, 0), size) // e
+                if b > a:
+                    out[i] = (a, b)
+        start = end
+    return out
+
+
+def piece_of(t: torch.Tensor, r: tuple[int, int] | None) -> torch.Tensor:
+    """The part of ``t`` a range of :func:`slice_ranges` names (a view, no copy)."""
+    return t.detach() if r is None else t.detach().reshape(-1)[r[0]:r[1]]
