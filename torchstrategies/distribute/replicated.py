@@ -78,7 +78,8 @@ class ReplicatedTensors:
         self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._mean_ids: set[int] = set()   # the buffers declared MEAN, as of the last refresh
-        self._compared: list[torch.Tensor] = []  # what the rotating slice covers: every other tensor, once
+        # what the rotating slice covers: every other tensor, once (weakly: it keeps no model alive)
+        self._compared: list[weakref.ref[torch.Tensor]] = []
         self.slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
         self.steps = 0   # optimizer steps (their merges) so far
 
@@ -128,7 +129,7 @@ class ReplicatedTensors:
         self._mean_ids = mean_ids
         self.views.refresh(params, buffers)
         unique = {id(t): t for t in params + buffers if id(t) not in mean_ids}
-        self._compared = [t for t in unique.values() if not isinstance(t, UninitializedTensorMixin)]
+        self._compared = [weakref.ref(t) for t in unique.values()]
 
     def fold(self, end: bool) -> None:
         """Aggregates what the replicas wrote into the primaries (cross-replica view; see the module doc):
@@ -152,12 +153,13 @@ class ReplicatedTensors:
 
     def check_slice(self) -> None:
         """Compares this step's slice of the replicated tensors across the replicas (see the module doc)."""
-        if not self.slices or not self._compared:
+        compared = [t for t in (r() for r in self._compared) if t is not None]
+        if not self.slices or not compared:
             return
-        ranges = slice_ranges(self._compared, self.steps % self.slices, self.slices)
+        ranges = slice_ranges(compared, self.steps % self.slices, self.slices)
         items = []
         for i, r in ranges.items():
-            t = self._compared[i]
+            t = compared[i]
             comps = self.views.components(t)
             if len(comps) > 1:
                 items.append((t, [piece_of(c, r) for c in comps]))
