@@ -31,11 +31,10 @@ from torchstrategies.distribute.agreement import RankAgreement, fingerprints
 __all__ = ["StepAgreement", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
-# write torch does not count (version-moved tensors are named at once). Each step hashes 1/8 of the model.
-# To be chosen by measurement against the budget (at most 2% of the bench MLP's MWMS step), before/after
-# in the same run on a quiet machine:
-#   torchstrategies bench train --nproc 2 --agreement-ab
-# (rows "MWMS" and "MWMS, agreement check off"; TORCHSTRATEGIES_AGREEMENT=0 is the "off" side).
+# write torch does not count (version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES
+# of the model. NOT YET MEASURED: to be set (at most 10) against the budget, at most 2% of the bench MLP's
+# MWMS step, from the two rows of one run on a quiet machine (the second has the check off):
+#   torchstrategies bench train --nproc 2 --no-in-process --strategy mwms-default --strategy mwms-no-agreement
 AGREEMENT_SLICES = 8
 
 
