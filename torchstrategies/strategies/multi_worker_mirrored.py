@@ -376,12 +376,15 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
         (``_step_sync.py``), the MEAN buffers of the modules made in the scope are averaged (the one point per
         step where buffers are synchronized, docs/strategies.md), and the agreement check runs
-        (``_agreement.py``): an optimizer none of whose parameters the strategy watches (a model and optimizer
-        made outside the scope) has its parameters compared across the ranks."""
+        (``_agreement.py``). An optimizer none of whose parameters the strategy watches is plain torch beside
+        the strategy (a per-rank model, stepped on some ranks only: left alone), unless the strategy watches
+        nothing at all: then the model and optimizer were made outside the scope, every rank trains a model of
+        its own, and its parameters are compared across the ranks (issue 46, case 5)."""
         watched = self._synchronizers.before_step(optimizer)
         if watched:
             self.sync_buffers()
-        self.agreement.before_step(optimizer, watched)
+        if watched or not self._synchronizers.live():
+            self.agreement.before_step(optimizer, watched)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.agreement.after_step(optimizer)
