@@ -68,4 +68,21 @@ inline void check_out_without_autograd(const char* op, at::TensorList tensors, c
               "without out=, or under torch.no_grad()");
 }
 
+// hash_tensors' inputs: strided tensors on one device (any dtype: the hash reads their bytes).
+inline void check_hash_inputs(const char* op, at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+                "; only strided (dense) tensors are hashed (call .to_dense() first)");
+    TORCH_CHECK(t.device() == tensors[0].device(), op, ": tensors[", i, "] is on ", t.device(),
+                " but tensors[0] is on ", tensors[0].device(), " (hash each device's tensors in a call of their own)");
+  }
+}
+
+// The bytes a hash reads: t's values in their logical (row-major) order, conjugation and negation views
+// resolved (a copy only where t is not already such an array).
+inline at::Tensor hash_operand(const at::Tensor& t) {
+  return t.resolve_conj().resolve_neg().contiguous();
+}
+
 }  // namespace torchstrategies

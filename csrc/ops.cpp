@@ -16,6 +16,8 @@ TORCH_LIBRARY(torchstrategies, m) {
   m.def("accumulate_(Tensor(a!) dst, Tensor[] tensors) -> ()");
   // dsts[i] += tensors[i] + tensors[n + i] + ... for n = len(dsts): accumulate_ over a group, one call.
   m.def("accumulate_grouped_(Tensor(a!)[] dsts, Tensor[] tensors) -> ()");
+  // An exact, order-sensitive 64-bit hash of each tensor's bytes (csrc/core/hash.h), as int64 on their device.
+  m.def("hash_tensors(Tensor[] tensors) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

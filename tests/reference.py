@@ -74,3 +74,75 @@ def tolerance(tensors: list[torch.Tensor], ref: torch.Tensor, scale: float | Non
     eps_out = torch.finfo(dtype).eps
     factor = abs(scale) if scale is not None else 1.0
     return len(tensors) * eps_acc * abs_sum * factor + eps_out * ref.abs() + 1e-300
+
+
+# --- hash_tensors: the definition of csrc/core/hash.h in pure Python ---------------------------------------
+_M64 = (1 << 64) - 1
+_P1, _P2, _P3, _P4, _P5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
+                           0x27D4EB2F165667C5)
+HASH_CHUNK = 4096
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _M64
+
+
+def _round(acc: int, word: int) -> int:
+    return (_rotl((acc + word * _P2) & _M64, 31) * _P1) & _M64
+
+
+def xxh64(data: bytes, seed: int) -> int:
+    """XXH64 (Yann Collet's reference algorithm) of ``data``."""
+    n, p = len(data), 0
+    if n >= 32:
+        v = [(seed + _P1 + _P2) & _M64, (seed + _P2) & _M64, seed & _M64, (seed - _P1) & _M64]
+        while p + 32 <= n:
+            for j in range(4):
+                v[j] = _round(v[j], int.from_bytes(data[p + 8 * j:p + 8 * j + 8], "little"))
+            p += 32
+        h = (_rotl(v[0], 1) + _rotl(v[1], 7) + _rotl(v[2], 12) + _rotl(v[3], 18)) & _M64
+        for x in v:
+            h = (((h ^ _round(0, x)) * _P1) + _P4) & _M64
+    else:
+        h = (seed + _P5) & _M64
+    h = (h + n) & _M64
+    while p + 8 <= n:
+        h ^= _round(0, int.from_bytes(data[p:p + 8], "little"))
+        h = (_rotl(h, 27) * _P1 + _P4) & _M64
+        p += 8
+    if p + 4 <= n:
+        h ^= (int.from_bytes(data[p:p + 4], "little") * _P1) & _M64
+        h = (_rotl(h, 23) * _P2 + _P3) & _M64
+        p += 4
+    while p < n:
+        h ^= (data[p] * _P5) & _M64
+        h = (_rotl(h, 11) * _P1) & _M64
+        p += 1
+    h ^= h >> 33
+    h = (h * _P2) & _M64
+    h ^= h >> 29
+    h = (h * _P3) & _M64
+    return h ^ (h >> 32)
+
+
+def hash_bytes(data: bytes) -> int:
+    """The hash of ``data`` as hash_tensors defines it, as a signed 64-bit int (the op's int64)."""
+    total, level = len(data), 0
+    while -(-len(data) // HASH_CHUNK) > 1:
+        hs = [xxh64(data[i:i + HASH_CHUNK], (level << 56) + i // HASH_CHUNK) for i in range(0, len(data), HASH_CHUNK)]
+        data = b"".join(h.to_bytes(8, "little") for h in hs)
+        level += 1
+    last = xxh64(data, level << 56).to_bytes(8, "little") if data else b""
+    h = xxh64(last, total)
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """``t``'s values in logical (row-major) order as bytes, read element by element through Python."""
+    flat = t.resolve_conj().resolve_neg().reshape(-1)
+    size = t.element_size()
+    out = bytearray()
+    for i in range(flat.numel()):
+        out += bytes(flat[i:i + 1].clone().view(torch.uint8).tolist())
+    assert len(out) == flat.numel() * size
+    return bytes(out)

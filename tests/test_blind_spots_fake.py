@@ -83,7 +83,7 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
         out.append((xs, dtype.is_floating_point))
     cases: dict[str, list[tuple]] = {name: [] for name in
                                      ("accumulate_n", "tree_reduce", "accumulate_n_out", "tree_reduce_out",
-                                      "accumulate_", "accumulate_grouped_")}
+                                      "accumulate_", "accumulate_grouped_", "hash_tensors")}
     for xs, floating in out:
         scales = (None, 0.5) if floating else (None,)
         for scale in scales:
@@ -95,6 +95,7 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
         # two destinations (the second of another shape), two tensors each: [t0 of each, t1 of each]
         other = [x[: max(1, x.numel() // 2)].clone() for x in xs]
         cases["accumulate_grouped_"].append(([xs[0].clone(), other[0]], [xs[1], other[1], xs[2], other[2]]))
+        cases["hash_tensors"].append(([xs[0], other[1], xs[2].reshape(-1, 1)[::2]],))
     return cases
 
 

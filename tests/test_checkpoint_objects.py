@@ -109,7 +109,7 @@ def _buffer_rule_body(rank, world, directory):
         try:
             Checkpoint(model=model).save(os.path.join(directory, "bad.pt"))
             errors.append(None)
-        except ValueError as exc:
+        except ts.errors.ReplicaDivergenceError as exc:
             errors.append(str(exc))
         getattr(model, name).fill_(0)
     s.shutdown()
@@ -129,8 +129,9 @@ def test_saved_buffers_follow_the_buffer_rule_and_each_rank_gets_its_own_random_
         assert r["own_rng"]  # rank r's random state went back to rank r
         assert r["untouched"]  # save_random_state=False leaves it alone
         queue, count = r["errors"]
-        assert queue is not None and "buffer model.queue differs between ranks" in queue, queue
-        assert count is not None and "buffer model.count differs between ranks" in count, count
+        assert queue is not None and "buffer model.queue differs between the ranks" in queue, queue
+        assert count is not None and "integer buffer model.count differs between the ranks" in count, count
+        assert "ranks [1, 2] hold values that differ from rank 0's" in queue, queue
 
 
 def _dcp_body(rank, world, directory):

@@ -307,7 +307,7 @@ def _mwms_divergence(rank: int, world: int, every: int) -> list[str]:
     strategy = ts.MultiWorkerMirroredStrategy()
     out = []
     try:
-        strategy.extended.divergence_check.every = every
+        strategy.extended.agreement.step.slices = every
         with strategy.scope():
             model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).double()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from torchstrategies.distribute.agreement import RankAgreement
 from torchstrategies.distribute.buffers import is_mean_buffer
 
 __all__ = ["RandomState", "job_module_state", "gather_per_rank", "to_bytes", "from_bytes", "kind_of", "per_rank_state",
@@ -130,13 +131,15 @@ def gather_per_rank(ext: Collective | None, blob: bytes) -> list[bytes]:
 def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` as the job holds it under the buffer rule, identical on every rank.
 
-    Every buffer is compared across ranks in one MAX all-reduce of ``(b, -b)``: a buffer declared MEAN
-    (``distribute/buffers.py``: norm layers' running statistics, ``ts.declare_buffer_aggregation``) that
-    differs is replaced by its cross-rank mean (a second all-reduce, only then); any other buffer that
-    differs raises. Buffers already equal on every rank are saved as they are, bit for bit.
+    Every persistent buffer is compared across ranks through the agreement seam (``distribute/agreement.py``:
+    its hash, one small all-reduce): a buffer declared MEAN (``distribute/buffers.py``: norm layers' running
+    statistics, ``ts.declare_buffer_aggregation``) that differs is replaced by its cross-rank mean (a second
+    all-reduce, only then); any other buffer that differs raises. Buffers already equal on every rank are
+    saved as they are, bit for bit.
 
     Raises:
-        ValueError: a buffer not declared MEAN (e.g. ``num_batches_tracked``) differs between ranks, naming it.
+        ReplicaDivergenceError: a buffer not declared MEAN (e.g. ``num_batches_tracked``) differs between
+            ranks, naming it and the ranks.
     """
     sd = module.state_dict()
     if ext is None:
@@ -144,19 +147,12 @@ def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module)
     keys = [k for k, _ in module.named_buffers() if k in sd]  # the persistent ones
     if not keys:
         return sd
-    probes = [_probe(sd[k].detach()) for k in keys]
-    maxima = ext.all_reduce_tensors("max", [torch.stack([p, -p]) for p in probes])
-    differ = []
-    for k, m in zip(keys, maxima):
-        if torch.equal(m[0], -m[1]):  # max == min: every rank holds the same value
-            continue
+    ranks = RankAgreement(ext.all_reduce_tensors, ext.rank, ext.world_size, ext.worker_devices[0])
+    differ = [keys[i] for i in ranks.differing([sd[k].detach() for k in keys])]
+    for k in differ:
         owner, _, local = k.rpartition(".")
         if not is_mean_buffer(module.get_submodule(owner), local):
-            raise ValueError(
-                f"Checkpoint: buffer {name}.{k} differs between ranks (max {m[0].flatten()[:4].tolist()}, "
-                f"min {(-m[1]).flatten()[:4].tolist()}): a buffer not declared MEAN (ts.declare_buffer_aggregation) "
-                "must agree on every replica")
-        differ.append(k)
+            ranks.raise_for([(f"{name}.{k}", sd[k])], "a checkpoint save", lambda _: _UNDECLARED)
     if differ:
         means = ext.all_reduce_tensors("mean", [sd[k].detach() for k in differ])
         sd = dict(sd)
@@ -165,11 +161,9 @@ def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module)
     return sd
 
 
-def _probe(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a dtype where negation is exact and MAX is defined (int64 for integers and bools)."""
-    if t.is_complex():
-        return torch.view_as_real(t)
-    return t if t.is_floating_point() else t.to(torch.int64)
+_UNDECLARED = ("the ranks wrote different values to a buffer not declared MEAN, which must agree on every "
+               "replica. Write it from values that are the same on every rank, or, if its copies should be "
+               "averaged (a running statistic), declare it: ts.declare_buffer_aggregation(module, name, 'mean')")
 
 
 class Variable(Protocol):

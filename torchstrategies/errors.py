@@ -26,7 +26,23 @@ class CancelledError(TorchStrategiesError):
 
 class ReplicaDivergenceError(TorchStrategiesError):
     """Replicas (in-process replicas or MultiWorkerMirrored ranks) hold different values of a tensor that
-    must be the same on every replica (a parameter, an integer buffer); the message names the tensor."""
+    must be the same on every replica (a parameter, a buffer not declared MEAN).
+
+    Raised by the agreement seam (``distribute/agreement.py``, docs/strategies.md "Agreement"); the message
+    names the tensor, the ranks or replicas that differ, when, and the likely cause, which are also kept as
+    attributes.
+
+    Attributes:
+        tensor: the tensor's name ("Linear.weight"), or None.
+        replicas: the ranks (or in-process replicas) whose value differs from rank (replica) 0's.
+        when: when it was found ("optimizer step 3", "the checkpoint save to ...").
+        cause: the likely cause and what to do.
+    """
+
+    def __init__(self, message: str, tensor: str | None = None, replicas: list[int] | None = None,
+                 when: str | None = None, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor, self.replicas, self.when, self.cause = tensor, list(replicas or []), when, cause
 
 
 class MembershipBelowMinimumError(UnavailableError):

@@ -20,8 +20,8 @@ import torch
 
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
-__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "SUPPORTED_DTYPES",
-           "FLOAT_DTYPES", "DTYPE_CODES"]
+__all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "hash_tensors",
+           "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 T = TypeVar("T")
@@ -237,6 +237,24 @@ def add_n(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return result
 
 
+def hash_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An int64 tensor (on the tensors' device) of an exact, order-sensitive 64-bit hash of each tensor's bytes
+    in logical order (csrc/core/hash.h): equal exactly when the bytes are, up to hash collisions.
+
+    Any dtype; the tensors must be strided and on one device; an empty list gives an empty CPU tensor.
+    """
+    items = _as_list("hash_tensors", tensors)
+    if not items:
+        return torch.zeros(0, dtype=torch.int64)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hash_tensors: tensors[{i}] is {type(t).__name__}, expected a torch.Tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"hash_tensors: tensors[{i}] has layout {t.layout}; only strided (dense) tensors are "
+                             "hashed (call .to_dense() first)")
+    return _ops.hash_tensors([t.detach() for t in items])
+
+
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
 
 
@@ -272,6 +290,8 @@ torch.library.register_fake("torchstrategies::accumulate_n_out")(_fake_reduce_ou
 torch.library.register_fake("torchstrategies::tree_reduce_out")(_fake_reduce_out("tree_reduce"))
 torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
 torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
+torch.library.register_fake("torchstrategies::hash_tensors")(
+    lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
 
 
 def _setup_ctx(ctx, inputs, output):

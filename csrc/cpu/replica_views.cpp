@@ -30,8 +30,9 @@
 // A write to the cross-replica gradient (zero_grad, an assignment, an in-place change) is handed to every
 // replica by the next `seed`.
 //
-// Writes in replica context: `leave` notes each tensor whose version moved while replica k's view was in
-// (`written`), so the caller checks only those for replicas that wrote different values.
+// Writes in replica context: `leave` notes each tensor whose version moved, or whose data was replaced
+// (`T.data = x`), while replica k's view was in (`written`), so the caller checks only those for replicas
+// that wrote different values.
 #include <torch/extension.h>
 
 #include <unordered_map>
@@ -83,6 +84,13 @@ struct Entry {
 
 bool same(const at::Tensor& a, const at::Tensor& b) {
   return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+}
+
+// Whether a and b hold the same data: the same storage, viewed the same way (Identity, without a copy).
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl() &&
+         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
+         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
 }
 
 class ReplicaViews {
@@ -247,6 +255,13 @@ class ReplicaViews {
       if (!t.defined()) continue;
       if (e.is_param) e.grads[k] = t.grad();
       if (t._version() != e.enter_version) e.written = true;
+      // `T.data = x` in replica k (no version moves): x becomes replica k's component, written, so the
+      // check compares it with the other replicas' (replica 0 without a component of its own replaced P:
+      // the next seed hands it on, the check compares it first).
+      if (owns_component(e, k) ? !same_view(e.data[k], t) : !e.identity.matches(t)) {
+        if (owns_component(e, k)) e.data[k] = t.variable_data();
+        e.written = true;
+      }
       if (owns_component(e, k)) {
         if (e.is_param) t.mutable_grad().reset();
         t.set_data(e.primary);

@@ -9,6 +9,8 @@ from the same run on the same machine state:
   (``dist.new_group(backend="torchstrategies")``, AUTO: shared memory on one host);
 * ``mwms-<IMPL>``: MultiWorkerMirroredStrategy with ``CommunicationOptions(implementation=IMPL)``
   (``mwms-default`` is ``MultiWorkerMirroredStrategy()`` as a user gets it);
+* ``mwms-no-agreement`` (not a default row): ``mwms-default`` with the per-step agreement check off
+  (``TORCHSTRATEGIES_AGREEMENT=0``), to measure the check's cost beside ``mwms-default``;
 * ``no-comm``: our strategy with a comm hook that hands each gradient bucket back as it is: the same work
   (buckets, hooks, the step) without communication, the ceiling for any synchronous strategy. (Not
   ``no_sync()``: under the gradient rule the optimizer step reduces what ``no_sync`` left unreduced.)
@@ -171,6 +173,10 @@ register_runner("no-comm", _mwms(None, no_comm=True))
 PACK_MIB = (1, 4, 16)
 for _mib in PACK_MIB:
     register_runner(f"mwms-pack-{_mib}MiB", _mwms(None, bytes_per_pack=_mib << 20), default=False)
+# mwms-default with the per-step agreement check off (TORCHSTRATEGIES_AGREEMENT=0, the benchmarking knob of
+# distribute/agreement.py): beside mwms-default in the same run it shows what the check costs
+# (`torchstrategies bench train --strategy mwms-default --strategy mwms-no-agreement`).
+register_runner("mwms-no-agreement", _mwms(None, env={"TORCHSTRATEGIES_AGREEMENT": "0"}), default=False)
 
 # --- the torchrun worker ------------------------------------------------------------------------------------
 def _worker(args: dict[str, Any], out: str) -> None:

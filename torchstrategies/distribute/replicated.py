@@ -28,9 +28,12 @@ everything at the end of ``run``):
   restarts from it. For the linear updates such buffers get (running averages) this equals TF's ON_READ
   value. (Inside another merge function a buffer reads as replica 0's component.) Every other buffer
   follows the parameters: the replicas must write the same value to it;
-* writes in replica context: a parameter or a buffer not declared MEAN whose version moved while a replica
-  ran is compared across the replicas at the next fold; copies that differ raise
-  ``ReplicaDivergenceError`` naming it;
+* writes in replica context: a parameter or a buffer not declared MEAN whose version moved, or whose data
+  was replaced (``p.data = x``), while a replica ran is compared across the replicas at the next fold; copies
+  that differ raise ``ReplicaDivergenceError`` naming it. Writes torch does not count (through ``p.data``)
+  are found by a rotating slice: at every optimizer step (its merge) 1/``AGREEMENT_SLICES`` of the
+  parameters' and buffers' bytes is compared across the replicas, all of it in debug mode. Every comparison
+  goes through the agreement seam (``distribute/agreement.py``: the components' hashes, CPU and GPU alike);
 * parameters are ON_WRITE with aggregation NONE (TF 2.x): a replica's write stays in its component, and a
   cross-replica read gives component 0's value.
 
@@ -48,10 +51,12 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from torchstrategies._ext import _C
+from torchstrategies.collectives import debug as collective_debug
+from torchstrategies.distribute import agreement
+from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, piece_of, slice_ranges
 from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.distribute.replica_attributes import ReplicaAttributes
 from torchstrategies.distribute.values import PerReplica
-from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,6 +81,10 @@ class ReplicatedTensors:
         self._mean_ids: set[int] = set()   # the buffers declared MEAN, as of the last refresh
         self.module_ids: set[int] = set()  # the modules made in the scope, as of the last refresh
         self.attributes = ReplicaAttributes(len(devices))  # their plain attributes written in replicas
+        # what the rotating slice covers: every other tensor, once (weakly: it keeps no model alive)
+        self._compared: list[weakref.ref[torch.Tensor]] = []
+        self.slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
+        self.steps = 0   # optimizer steps (their merges) so far
 
     def add_module(self, module: torch.nn.Module) -> None:
         self._modules.append(weakref.ref(module))
@@ -123,6 +132,8 @@ class ReplicatedTensors:
         self._mean_ids = mean_ids
         self.module_ids = seen
         self.views.refresh(params, buffers)
+        unique = {id(t): t for t in params + buffers if id(t) not in mean_ids}
+        self._compared = [weakref.ref(t) for t in unique.values()]
 
     def fold(self, end: bool) -> None:
         """Aggregates what the replicas wrote into the primaries (cross-replica view; see the module doc):
@@ -139,20 +150,33 @@ class ReplicatedTensors:
 
     def check_writes(self) -> None:
         """Raises if the replicas wrote a parameter (or a buffer not declared MEAN) in replica context and
-        now hold different values of it; only the tensors whose version moved in replica context are
-        compared."""
-        for t, comps in self.views.written():
-            if len(comps) < 2 or self._averaged(t):
-                continue  # a buffer declared MEAN is ON_READ: averaged, not compared
-            first = comps[0].detach()
-            for k, c in enumerate(comps[1:], start=1):
-                if not torch.equal(first, c.detach().to(first.device)):
-                    raise ReplicaDivergenceError(_divergence_message(self, t, k))
+        now hold different values of it; only the tensors whose version moved (or whose data was replaced)
+        in replica context are compared."""
+        items = [(t, comps) for t, comps in self.views.written() if len(comps) > 1 and not self._averaged(t)]
+        agreement.check_replicas(items, f"optimizer step {self.steps + 1}", self.name_of, _written_cause)
+
+    def check_slice(self) -> None:
+        """Compares this step's slice of the replicated tensors across the replicas (see the module doc)."""
+        compared = [t for t in (r() for r in self._compared) if t is not None]
+        if not self.slices or not compared:
+            return
+        ranges = slice_ranges(compared, self.steps % self.slices, self.slices)
+        items = []
+        for i, r in ranges.items():
+            t = compared[i]
+            comps = self.views.components(t)
+            if len(comps) > 1:
+                items.append((t, [piece_of(c, r) for c in comps]))
+        agreement.check_replicas(items, f"optimizer step {self.steps + 1}", self.name_of, _uncounted_cause)
 
     def fold_buffers(self, parameters: bool = False) -> None:
         """Makes every replica's buffers equal: those declared MEAN become the replicas' mean, the others must
-        agree (else ``ReplicaDivergenceError``); with ``parameters``, the components 0 of parameters whose
-        primary lives elsewhere hand their value to the primary. Marks what changed for the next seed."""
+        agree (else ``ReplicaDivergenceError``); with ``parameters`` (the end of a run), the components 0 of
+        parameters whose primary lives elsewhere hand their value to the primary; without (an optimizer
+        step's merge), this step's slice is compared too. Marks what changed for the next seed."""
+        if not parameters:
+            self.check_slice()
+            self.steps += 1
         owned = self.views.owned_components()
         if not parameters:
             owned = [(t, comps) for t, comps in owned if not isinstance(t, torch.nn.Parameter)]
@@ -164,15 +188,12 @@ class ReplicatedTensors:
             pairs: Pairs = [(PerReplica(tuple(comps)), (t.device,)) for t, comps in means]
             reduced = self._ops.batch_reduce_implementation(ReduceOp.MEAN, pairs, None)
             averaged = {id(t): v for (t, _), v in zip(means, reduced)}
+        agreement.check_replicas([(t, comps) for t, comps in owned if id(t) not in averaged],
+                                 f"optimizer step {self.steps}", self.name_of, _written_cause)
         written = []
         with torch.no_grad():
             for t, comps in owned:
-                value = averaged.get(id(t))
-                if value is None:
-                    value = comps[0]
-                    for k, c in enumerate(comps[1:], start=1):
-                        if not torch.equal(value, c.to(value.device)):
-                            raise ReplicaDivergenceError(_divergence_message(self, t, k))
+                value = averaged.get(id(t), comps[0])
                 if value is not t:
                     t.copy_(value)  # (the next seed copies it into every component)
                     written.append(t)
@@ -201,20 +222,24 @@ class ReplicatedTensors:
         return list(self.views.components(t))
 
 
-def _divergence_message(replicated: ReplicatedTensors, t: torch.Tensor, k: int) -> str:
-    if isinstance(t, torch.nn.Parameter):
-        kind, declare = "parameter", ""
-    elif t.is_floating_point() or t.is_complex():
-        kind = "buffer"
-        declare = (", or, if the replicas' copies should be averaged (a running statistic), declare it: "
-                   "ts.declare_buffer_aggregation(module, name, 'mean')")
-    else:
-        kind, declare = "integer buffer", ""
-    return (
-        f"The replicas wrote different values to the {kind} {replicated.name_of(t)} inside strategy.run "
-        f"(replica {k} differs from replica 0), so they no longer hold the same model. Write it from values "
-        "that are the same on every replica (gradients after backward() are the cross-replica sum; reduce "
-        "or gather other values with ts.get_replica_context().all_reduce / all_gather), or write it in a "
-        f"merge_call (ts.get_replica_context().merge_call(fn)), which runs once in cross-replica context{declare}"
-    )
+_WRITE_FIX = (
+    "Write it from values that are the same on every replica (gradients after backward() are the cross-replica "
+    "sum; reduce or gather other values with ts.get_replica_context().all_reduce / all_gather), or write it in a "
+    "merge_call (ts.get_replica_context().merge_call(fn)), which runs once in cross-replica context")
+_DECLARE = (", or, if the replicas' copies should be averaged (a running statistic), declare it: "
+            "ts.declare_buffer_aggregation(module, name, 'mean')")
 
+
+def _declare(t: torch.Tensor) -> str:
+    floating_buffer = not isinstance(t, torch.nn.Parameter) and (t.is_floating_point() or t.is_complex())
+    return _DECLARE if floating_buffer else ""
+
+
+def _written_cause(t: torch.Tensor) -> str:
+    return ("the replicas wrote different values to it inside strategy.run (in place, or `p.data = ...` in some "
+            f"replicas). {_WRITE_FIX}{_declare(t)}")
+
+
+def _uncounted_cause(t: torch.Tensor) -> str:
+    return ("a write inside strategy.run that torch does not count (through `p.data`, or a kernel that bypasses "
+            f"the version counter) left the replicas' copies different. {_WRITE_FIX}{_declare(t)}")

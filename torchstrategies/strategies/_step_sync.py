@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._grad_sync import GradientSynchronizer, Hook
 
-__all__ = ["Synchronizers", "average_buffers"]
+__all__ = ["Synchronizers", "average_mean_buffers"]
 
 
 class Synchronizers:
@@ -121,53 +120,13 @@ def _needs_reduction(p: torch.nn.Parameter, owner: GradientSynchronizer | None) 
     return p.grad is not None and not owner.proven(p)
 
 
-def average_buffers(buffers: list[torch.Tensor], mean_ids: set[int],
-                    all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
-                    name_of: Callable[[torch.Tensor], str]) -> None:
-    """Buffers declared MEAN (``id`` in ``mean_ids``, ``distribute/buffers.py``) become their mean over the
-    ranks; every other buffer must be bit for bit equal on every rank.
-
-    Args:
-        name_of: a buffer's name for the error (called only then).
-
-    Raises:
-        ReplicaDivergenceError: a buffer not declared MEAN differs between ranks (named).
-    """
-    means = [b for b in buffers if id(b) in mean_ids]
-    if means:
-        reduced = all_reduce(ReduceOp.MEAN, means)
-        with torch.no_grad():
-            for b, v in zip(means, reduced):
-                b.copy_(v)
-    others = [b for b in buffers if id(b) not in mean_ids]
-    if not others:
+def average_mean_buffers(buffers: list[torch.Tensor],
+                         all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]]) -> None:
+    """The buffers declared MEAN (``distribute/buffers.py``) become their mean over the ranks (one all-reduce).
+    Every other buffer is the agreement check's (``_agreement.py``): it must be equal on every rank."""
+    if not buffers:
         return
-    bits = [_bits(b) for b in others]
-    flat = torch.cat(bits)
-    (most,) = all_reduce(ReduceOp.MAX, [torch.cat([flat, -flat])])   # equal everywhere iff max == min
-    n = flat.numel()
-    off = 0
-    for b, x in zip(others, bits):
-        k = x.numel()
-        if not (torch.equal(most[off:off + k], x) and torch.equal(-most[n + off:n + off + k], x)):
-            name = name_of(b)
-            kind = "integer buffer" if not (b.is_floating_point() or b.is_complex()) else "buffer"
-            declare = "" if kind == "integer buffer" else (
-                ", or, if the ranks' copies should be averaged (a running statistic), declare it: "
-                "ts.declare_buffer_aggregation(module, name, 'mean')")
-            raise ReplicaDivergenceError(
-                f"The {kind} {name} differs between the ranks at optimizer.step() (rank {rank} holds "
-                f"{b.tolist() if b.numel() <= 8 else 'a different value'}): every replica must write the same "
-                "value to it. Write it from values that are the same on every rank (all-reduced or "
-                f"all-gathered){declare}")
-        off += k
-
-
-def _bits(b: torch.Tensor) -> torch.Tensor:
-    """``b``'s values as int64 that are equal exactly when the values are bit for bit (NaN included)."""
-    x = b.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    if x.is_floating_point():
-        return x.to(torch.float64).view(torch.int64)
-    return x.to(torch.int64)
+    reduced = all_reduce(ReduceOp.MEAN, buffers)
+    with torch.no_grad():
+        for b, v in zip(buffers, reduced):
+            b.copy_(v)

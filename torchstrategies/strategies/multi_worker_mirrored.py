@@ -41,7 +41,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import ReduceLROnPlateau
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -52,8 +52,6 @@ from torchstrategies.cluster_resolver import (
     TorchrunClusterResolver,
 )
 from torchstrategies.collectives import CommunicationOptions
-from torchstrategies.collectives import debug as collective_debug
-from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
@@ -69,7 +67,7 @@ from torchstrategies.distribute.values import (
 from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
-from torchstrategies.strategies._divergence import DivergenceCheck
+from torchstrategies.strategies._agreement import WorkerAgreement
 from torchstrategies.strategies._grad_sync import (
     CompressionHook,
     GradBucket,
@@ -80,19 +78,13 @@ from torchstrategies.strategies._grad_sync import (
 from torchstrategies.strategies._health import HealthMonitor
 from torchstrategies.strategies._metric_schedulers import multi_worker_plateau_step
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader, loader_seed
-from torchstrategies.strategies._step_sync import Synchronizers, average_buffers
+from torchstrategies.strategies._step_sync import Synchronizers, average_mean_buffers
 
 __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_extendeds", "GradBucket",
            "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 T = TypeVar("T")
-
-# The divergence check's default interval, by measurement: one check's fingerprints of the benchmark MLP
-# (784-1024-1024-10, 1.86M parameters) took 22 ms on one thread (2-core AMD EPYC VM, 2026-11-27 08:46 UTC,
-# load 0.47), and an MWMS step of that MLP 10.4 ms (bench train, 2 ranks): every 500 steps it costs 0.42%
-# of a step (under the 1% budget; every 100 steps would cost 2.1%).
-DIVERGENCE_CHECK_EVERY = 500
 
 _COMPRESSION = {None: None, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
@@ -176,25 +168,33 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._comm_hook: Hook | None = None if self._compression is None else CompressionHook(self._compression)
         # Tensors already broadcast, by identity that dies with them (an id() would be reused by a new one).
         self._synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        before_step = weakref.WeakMethod(self._before_step)   # the hook must not keep the strategy alive
+        before_step = weakref.WeakMethod(self._before_step)   # the hooks must not keep the strategy alive
+        after_step = weakref.WeakMethod(self._after_step)
 
         def step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
             method = before_step()
             if method is not None:
                 method(optimizer, args, kwargs)
 
+        def step_post_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            method = after_step()
+            if method is not None:
+                method(optimizer)
+
         plateau_step = multi_worker_plateau_step(self)  # (these hold the strategy weakly)
         shared = _shared_gradient(weakref.ref(self))
         self._torch_leases.append(PatchSet("MultiWorkerMirroredStrategy", [
             lambda: register_optimizer_step_pre_hook(step_pre_hook).remove,
+            lambda: register_optimizer_step_post_hook(step_post_hook).remove,
             lambda: wrap_attribute(ReduceLROnPlateau, "step", plateau_step),
             lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(shared)),
             *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(shared))
               for name in ("embedding", "embedding_bag")),
         ]).acquire(self))
-        # Every rank the same interval (debug mode is checked to agree across ranks by the collectives).
-        self.divergence_check = DivergenceCheck(
-            self._max_all_reduce, 1 if collective_debug.enabled() else DIVERGENCE_CHECK_EVERY)
+        # The agreement seam's per-step check (strategies/_agreement.py): every rank the same schedule (debug
+        # mode is checked to agree across ranks by the collectives).
+        self.agreement = WorkerAgreement(self.all_reduce_tensors, self._rank, self._world, self._device,
+                                         self._modules)
         self._closed = False
         _LIVE.add(self)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -387,12 +387,20 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
-        (``_step_sync.py``), and the buffers of the modules made in the scope are made equal on every rank
-        (the one point per step where buffers are synchronized, docs/strategies.md)."""
-        if not self._synchronizers.before_step(optimizer):
-            return  # an optimizer of another strategy, or of plain torch beside the strategy
-        self.sync_buffers(optimizer)
-        self.divergence_check.on_step(self.named_parameters)
+        (``_step_sync.py``), the MEAN buffers of the modules it trains are averaged (the one point per step where
+        buffers are synchronized, docs/strategies.md), and the agreement check runs (``_agreement.py``). An
+        optimizer none of whose parameters the strategy watches is plain torch beside the strategy (a per-rank
+        model, stepped on some ranks only: left alone), unless the strategy watches nothing at all: then the
+        model and optimizer were made outside the scope, every rank trains a model of its own, and its
+        parameters are compared across the ranks (issue 46, case 5)."""
+        watched = self._synchronizers.before_step(optimizer)
+        if watched:
+            self.sync_buffers(optimizer)
+        if watched or not self._synchronizers.live():
+            self.agreement.before_step(optimizer, watched)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.agreement.after_step(optimizer)
 
     def synchronizes_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a parameter (or buffer) this strategy adopted (broadcast, synchronized)."""
@@ -401,10 +409,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def owns_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps parameters this strategy synchronizes."""
         return bool(self._synchronizers.for_optimizer(optimizer)[0])
-
-    def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        (out,) = self.all_reduce_tensors(ReduceOp.MAX, [t.to(self._device)])
-        return out.cpu()
 
     def _named(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
         """The parameters (or buffers) of the modules made in the scope, named by module class and path."""
@@ -424,46 +428,22 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def check_divergence(self, when: str = "a checkpoint save") -> None:
         """Raises ``ReplicaDivergenceError`` unless every rank holds the same parameters of the modules made
-        in the scope (one small all-reduce; buffers are ON_READ: made equal at each step, averaged by a
-        checkpoint save). Every worker calls it."""
-        self.divergence_check.check(self.named_parameters(), when)
+        in the scope, every one whole (the agreement seam: one small all-reduce; buffers are ON_READ, checked
+        at each step and by a checkpoint save). Every worker calls it."""
+        self.agreement.check_all(when)
 
     def sync_buffers(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The buffers of the modules made in the scope that are declared MEAN (``distribute/buffers.py``:
-        norm layers' running statistics, ``ts.declare_buffer_aggregation``) become their cross-worker mean;
-        every other buffer must be equal on every rank. Every worker calls it (at each ``optimizer.step()``).
+        norm layers' running statistics, ``ts.declare_buffer_aggregation``) become their cross-worker mean
+        (every other buffer is compared by the agreement check). Every worker calls it (at each
+        ``optimizer.step()``).
 
-        At a step of ``optimizer``: the modules that share a parameter with it, and those with no trainable
-        parameter (a teacher, a parameterless normalization); not a module trained by another optimizer. So
-        the set is the same on every rank whatever the garbage collector has freed: a model of an earlier
-        fold or sweep trial, kept alive by a reference cycle on one rank only, is not in it.
-
-        Raises:
-            ReplicaDivergenceError: a buffer not declared MEAN (e.g. ``num_batches_tracked``, a queue)
-                differs between ranks.
-        """
-        # One walk over the modules a step (no names: they are made only for an error, by _named).
-        tensors: list[torch.Tensor] = []
-        mean_ids: set[int] = set()
-        seen: set[int] = set()
-        stepped = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for root in (r() for r in self._modules):
-            if root is not None and stepped is not None and not _steps_with(root, stepped):
-                continue
-            for m in () if root is None else root.modules():
-                for name, b in m._buffers.items():
-                    if b is None:
-                        continue
-                    if is_mean_buffer(m, name):
-                        mean_ids.add(id(b))
-                    if id(b) not in seen:
-                        seen.add(id(b))
-                        tensors.append(b)
-        if tensors:
-            average_buffers(tensors, mean_ids, self.all_reduce_tensors, self._rank, self._buffer_name)
-
-    def _buffer_name(self, buffer: torch.Tensor) -> str:
-        return next(n for n, b in self._named(buffers=True) if b is buffer)
+        At a step of ``optimizer``: the buffers of the modules that share a parameter with it, and of those with
+        no trainable parameter (a teacher, a parameterless normalization); not of a module trained by another
+        optimizer (``_agreement.steps_with``). So the set is the same on every rank whatever the garbage
+        collector has freed: a model of an earlier fold or sweep trial, kept alive by a reference cycle on one
+        rank only, is not in it."""
+        average_mean_buffers(self.agreement.mean_buffers(optimizer), self.all_reduce_tensors)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -582,17 +562,6 @@ def _shared_gradient(ref: weakref.ref[MultiWorkerMirroredExtended]) -> Callable[
         return ext is not None and ext.world_size > 1 and ext.synchronizes_parameter(param)
 
     return shared
-
-
-def _steps_with(module: torch.nn.Module, stepped: set[int]) -> bool:
-    """Whether ``module``'s buffers are synchronized at a step of the optimizer over ``stepped`` (ids of its
-    live parameters): it has one of them, or no trainable parameter at all."""
-    trainable = False
-    for p in module.parameters():
-        if id(p) in stepped:
-            return True
-        trainable = trainable or p.requires_grad
-    return not trainable
 
 
 def module_device_mismatch(module: torch.nn.Module, device: torch.device) -> bool:

@@ -1,0 +1,185 @@
+"""The agreement seam: are the replicas' (in-process) or ranks' (MultiWorkerMirrored) copies of these named
+tensors equal? The one place that answers it, for the step's buffer rule, the per-step check
+(``agreement_step.py``) and the checkpoint.
+
+* The fingerprint of a tensor is :func:`fingerprints`: the exact, order-sensitive 64-bit hash of its bytes
+  (``ts.ops.hash_tensors``, a C++ kernel at memory speed, CPU and CUDA alike) mixed with its dtype and shape,
+  kept to 63 bits so that ``-h`` is exact.
+* In-process replicas compare their components' fingerprints on the spot (:func:`check_replicas`); ranks
+  compare theirs with ONE small collective, a MAX all-reduce of ``[h, -h]`` (equal on every rank exactly
+  when max == -max(-h)) through the strategy's process group (:class:`RankAgreement`). Only when something
+  differs does a second all-reduce find which ranks hold which value, for the error.
+* The one error is ``ReplicaDivergenceError``: it names the tensor, the ranks or replicas that differ, when
+  (the optimizer step), and the likely cause (:func:`divergence_error`).
+
+Example:
+    >>> import torch
+    >>> from torchstrategies.distribute import agreement
+    >>> a = torch.arange(6.).reshape(3, 2)
+    >>> b = a[[1, 0, 2]]                    # two rows swapped
+    >>> f = agreement.fingerprints([a, a.clone(), b])
+    >>> bool(f[0] == f[1]), bool(f[0] == f[2])
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchstrategies import ops
+from torchstrategies.errors import ReplicaDivergenceError
+from torchstrategies.reduce_op import ReduceOp
+
+__all__ = ["fingerprints", "divergence_error", "check_replicas", "RankAgreement", "enabled", "ENV"]
+
+# The benchmarking knob: TORCHSTRATEGIES_AGREEMENT=0 turns the per-step agreement check off (a checkpoint
+# save still checks), to measure what it costs (`torchstrategies bench train --no-agreement`). Never for
+# training: a divergence then goes unnamed until the next save.
+ENV = "TORCHSTRATEGIES_AGREEMENT"
+
+_MASK63 = (1 << 63) - 1
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the descriptor's bits
+
+
+def enabled() -> bool:
+    """False when ``TORCHSTRATEGIES_AGREEMENT=0`` (the benchmarking knob) switches the per-step check off."""
+    return os.environ.get(ENV, "1") not in ("0", "false", "False")
+
+
+def _descriptor(t: torch.Tensor) -> int:
+    return zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An int64 CPU tensor: per tensor, the hash of its bytes mixed with its dtype and shape, in [0, 2**63).
+
+    The tensors may live on several devices (each device's are hashed in one kernel call there)."""
+    out = torch.empty(len(tensors), dtype=torch.int64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        out[idx] = ops.hash_tensors([tensors[i] for i in idx]).cpu()
+    desc = torch.tensor([_descriptor(t) for t in tensors], dtype=torch.int64)
+    return (out ^ (desc * _GOLDEN)) & _MASK63
+
+
+def divergence_error(tensor: str, kind: str, where: str, groups: Sequence[Sequence[int]], when: str,
+                     cause: str) -> ReplicaDivergenceError:
+    """The one error of the seam.
+
+    Args:
+        tensor: the tensor's name ("Linear.weight").
+        kind: "parameter", "buffer", "integer buffer".
+        where: "ranks" or "replicas".
+        groups: the ranks (replicas) grouped by the value they hold, the group of rank (replica) 0 first.
+        when: "optimizer step 3", "the checkpoint save to ...".
+        cause: the likely cause and what to do.
+    """
+    one = where[:-1]
+    base = list(groups[0]) if groups else [0]
+    differ = sorted(r for g in groups[1:] for r in g)
+    if differ:
+        who = (f"{one} {differ[0]} holds a value that differs from {one} {base[0]}'s" if len(differ) == 1 else
+               f"{where} {differ} hold values that differ from {one} {base[0]}'s")
+        if len(base) > 1:
+            who += f" ({where} {base} agree)"
+    else:
+        who = f"the {where} hold different values"
+    return ReplicaDivergenceError(
+        f"The {kind} {tensor} differs between the {where} at {when}: {who}, so they no longer hold the same "
+        f"model. Likely cause: {cause}", tensor=tensor, replicas=differ, when=when, cause=cause)
+
+
+def kind_of(t: torch.Tensor) -> str:
+    if isinstance(t, torch.nn.Parameter):
+        return "parameter"
+    return "buffer" if (t.is_floating_point() or t.is_complex()) else "integer buffer"
+
+
+def _groups(values: Sequence[int]) -> list[list[int]]:
+    """Indices grouped by equal value, the group of index 0 first."""
+    groups: dict[int, list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault(v, []).append(i)
+    return list(groups.values())
+
+
+def check_replicas(items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], when: str,
+                   name_of: Callable[[torch.Tensor], str], cause: Callable[[torch.Tensor], str]) -> None:
+    """In-process: raises ``ReplicaDivergenceError`` for the first tensor whose replicas' components differ.
+
+    Args:
+        items: (the replicated tensor, its components or the same part of each: replica 0's first), on any
+            devices (CPU and GPU replicas take this one path: each component is hashed where it lives).
+        name_of: the tensor's name, for the message (called only then).
+        cause: the likely cause of a difference in a tensor, for the message.
+    """
+    items = [x for x in items if len(x[1]) > 1]
+    if not items:
+        return
+    f = fingerprints([c for _, comps in items for c in comps]).tolist()
+    off = 0
+    for t, comps in items:
+        values = f[off:off + len(comps)]
+        off += len(comps)
+        if len(set(values)) > 1:
+            raise divergence_error(name_of(t), kind_of(t), "replicas", _groups(values), when, cause(t))
+
+
+class RankAgreement:
+    """Compares tensors across the ranks of one process group (MultiWorkerMirrored's).
+
+    Args:
+        all_reduce: ``fn(op, tensors) -> reduced tensors`` over every rank (the strategy's process group).
+        rank, world: this rank and the group's size.
+        device: where the collective's tensors live (the rank's device: NCCL reduces only GPU tensors).
+    """
+
+    def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
+                 world: int, device: torch.device) -> None:
+        self._all_reduce = all_reduce
+        self.rank, self.world, self.device = rank, world, device
+
+    def max_min(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The element-wise max and min of int64 ``values`` (non-negative, or flags) over the ranks: ONE MAX
+        all-reduce of ``[v, -v]``."""
+        (most,) = self._all_reduce(ReduceOp.MAX, [torch.cat([values, -values]).to(self.device)])
+        most = most.cpu()
+        n = values.numel()
+        return most[:n], -most[n:]
+
+    def differing(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The indices of ``tensors`` whose copies differ between the ranks (every rank calls it with the
+        same list)."""
+        if not tensors:
+            return []
+        hi, lo = self.max_min(fingerprints(tensors))
+        return (hi != lo).nonzero().flatten().tolist()
+
+    def holders(self, tensors: Sequence[torch.Tensor]) -> list[list[list[int]]]:
+        """Per tensor, the ranks grouped by the value they hold (rank 0's group first): one SUM all-reduce of
+        a (world, len) table where each rank writes its own row. Only on the error path."""
+        table = torch.zeros(self.world, len(tensors), dtype=torch.int64)
+        table[self.rank] = fingerprints(tensors)
+        (summed,) = self._all_reduce(ReduceOp.SUM, [table.to(self.device)])
+        summed = summed.cpu()
+        return [_groups(summed[:, j].tolist()) for j in range(len(tensors))]
+
+    def raise_for(self, named: Sequence[tuple[str, torch.Tensor]], when: str,
+                  cause: Callable[[torch.Tensor], str]) -> None:
+        """Raises the error for the first of ``named`` (tensors known to differ), naming the ranks."""
+        name, t = named[0]
+        (groups,) = self.holders([t])
+        raise divergence_error(name, kind_of(t), "ranks", groups, when, cause(t))
+
+    def check(self, named: Sequence[tuple[str, torch.Tensor]], when: str,
+              cause: Callable[[torch.Tensor], str]) -> None:
+        """Raises ``ReplicaDivergenceError`` (on every rank) unless every rank holds the same ``named`` tensors."""
+        bad = self.differing([t for _, t in named])
+        if bad:
+            self.raise_for([named[i] for i in bad], when, cause)
