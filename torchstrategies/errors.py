@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError"
+    "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError",
+    "CheckpointError",
 ]
 
 
@@ -26,3 +27,9 @@ class CancelledError(TorchStrategiesError):
 class ReplicaDivergenceError(TorchStrategiesError):
     """Replicas (in-process replicas or MultiWorkerMirrored ranks) hold different values of a tensor that
     must be the same on every replica (a parameter, an integer buffer); the message names the tensor."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be restored into the given objects: it is damaged (empty, truncated, changed
+    after it was written) or holds other shapes, dtypes or entries; the message names the file and what is
+    wrong. Nothing was changed by the failed restore."""
