@@ -61,8 +61,8 @@ def test_bad_objects_and_missing_files_raise_clear_errors(tmp_path):
 
 def _distributed_body(rank, world, directory):
     import torchstrategies.distribute as tsd
-    from torchstrategies._checkpoint_file import read as read_file
     from torchstrategies.checkpoint import Checkpoint
+    from torchstrategies.checkpoint import read_state as read_file
     from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
     s = MultiWorkerMirroredStrategy()

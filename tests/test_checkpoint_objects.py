@@ -78,8 +78,8 @@ def test_what_a_checkpoint_cannot_save_is_a_type_error_naming_it_and_what_it_tak
 
 def _buffer_rule_body(rank, world, directory):
     import torchstrategies as ts
-    from torchstrategies._checkpoint_file import read as read_file
     from torchstrategies.checkpoint import Checkpoint
+    from torchstrategies.checkpoint import read_state as read_file
     from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 
     s = MultiWorkerMirroredStrategy()

@@ -69,7 +69,7 @@ from torchstrategies.errors import CheckpointError
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
 __all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE",
-           "CheckpointError"]
+           "CheckpointError", "read_state"]
 
 log = logging.getLogger("torchstrategies.checkpoint")
 
@@ -340,6 +340,26 @@ class Checkpoint:
                 return obj
         raise ValueError(f"Checkpoint.state_dict: optimizer {name} needs its module in the same Checkpoint "
                          "(DCP keys optimizer state by parameter name)")
+
+
+def read_state(path: str) -> dict[str, Any]:
+    """The state a checkpoint file holds, checked (what ``torch.load`` of the file gave before the checksum).
+
+    The file is a 48-byte header (magic, payload length, SHA-256 of the payload) and ``torch.save``'s bytes of
+    ``{"format", "ints", "objects": {name: {"kind", "state"}}, "random_state"}``, decoded with
+    ``weights_only=True``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is empty, truncated, changed after it was written, or not a checkpoint.
+
+    Example:
+        >>> import tempfile
+        >>> path = Checkpoint(step=2, save_random_state=False).save(os.path.join(tempfile.mkdtemp(), "c.pt"))
+        >>> read_state(path)["ints"]
+        {'step': 2}
+    """
+    return _checkpoint_file.read(path)
 
 
 def _atomic_save(state: dict[str, Any], path: str) -> None:
