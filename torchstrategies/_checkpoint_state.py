@@ -293,13 +293,11 @@ def check_restorable(name: str, kind: str, obj: Any, value: Any, ext: Collective
         return ""
     if kind == "per_rank":
         return _per_rank_problem(obj, value, ext)
-    if kind == "dataset":
+    if kind == "dataset" or (isinstance(value, list) and hasattr(obj, "restore_position")):
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)):
             return f"saved {value!r}, expected a position [epoch, consumed]"
         return ""
-    if not isinstance(value, dict):
-        return f"saved a {type(value).__name__}, expected a state_dict"
-    return ""
+    return ""  # any other object with load_state_dict: only it can tell (loaded first, undone if it refuses)
 
 
 def _module_problem(module: torch.nn.Module, saved: Any) -> str:

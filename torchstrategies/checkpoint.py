@@ -191,9 +191,10 @@ class Checkpoint:
             elif kind == "variable":
                 restore_variable(ext, obj, value)
             elif kind in ("stateful", "dataset"):
-                before = copy.deepcopy(obj.state_dict()) if kind == "stateful" else list(obj.position)
+                as_position = isinstance(value, list) and hasattr(obj, "restore_position")
+                before = list(obj.position) if as_position else copy.deepcopy(obj.state_dict())
                 try:
-                    if kind == "dataset":
+                    if as_position:
                         obj.restore_position(*value)  # a dataset position as checkpoints before state_dict kept it
                     else:
                         obj.load_state_dict(value)
@@ -202,8 +203,8 @@ class Checkpoint:
                         u()
                     raise CheckpointError(f"checkpoint {where}: {name} refused its saved state ({exc}); nothing "
                                           "was restored") from exc
-                undo.append(functools.partial(obj.load_state_dict, before) if kind == "stateful"
-                            else functools.partial(obj.restore_position, *before))
+                undo.append(functools.partial(obj.restore_position, *before) if as_position
+                            else functools.partial(obj.load_state_dict, before))
             else:
                 obj.load_state_dict(value)
         for k, v in ints.items():
@@ -261,24 +262,29 @@ class Checkpoint:
         return self
 
     def _load_file(self, path: str, state: dict[str, Any]) -> None:
-        saved = state["objects"]
-        wrong = [n for n in self._objects if n in saved
-                 and (not isinstance(saved[n], dict) or saved[n].get("kind") != self._kinds[n])]
-        if wrong:
-            got = saved[wrong[0]].get("kind") if isinstance(saved[wrong[0]], dict) else None
-            raise CheckpointError(f"checkpoint {path!r}: {wrong[0]} was saved as a {got}, is a {self._kinds[wrong[0]]}")
-        values = {n: saved[n]["state"] for n in self._objects if n in saved}
+        """Loads a state read from ``path`` (checked again: the check is cheap, the loading all or nothing)."""
         random_state = state.get("random_state") if self._save_random_state else None
-        self._load(self._objects, values, state["ints"], repr(path), random_state)
+        self._load(self._objects, self._saved_values(path, state), state["ints"], repr(path), random_state)
 
     def _check_file(self, path: str) -> dict[str, Any]:
         """The checked state of ``path`` (raises what :meth:`restore` would), changing nothing."""
         state = _checkpoint_file.read(path)
-        saved = state["objects"]
-        values = {n: saved[n]["state"] for n in self._objects if n in saved and isinstance(saved[n], dict)}
         random_state = state.get("random_state") if self._save_random_state else None
-        self._check(self._objects, values, state["ints"], repr(path), random_state)
+        self._check(self._objects, self._saved_values(path, state), state["ints"], repr(path), random_state)
         return state
+
+    def _saved_values(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
+        """What the file holds for each named object, saved as the same kind of object."""
+        values = {}
+        for name, entry in state["objects"].items():
+            if name not in self._objects:
+                continue
+            kind = entry.get("kind") if isinstance(entry, dict) else None
+            mine = self._kinds[name]
+            if kind != mine and not (kind == "dataset" and hasattr(self._objects[name], "restore_position")):
+                raise CheckpointError(f"checkpoint {path!r}: {name} was saved as a {kind}, is a {mine}")
+            values[name] = entry["state"]
+        return values
 
     read = restore
 

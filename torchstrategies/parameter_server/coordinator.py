@@ -4,7 +4,8 @@ One thread per worker takes closures from the queue and runs them on its worker 
 channel. A worker that dies (its channel breaks) or freezes (it misses a heartbeat: no answer within the
 strategy's ``heartbeat_timeout``) has its in-flight closure put back in the queue for another worker, so a
 closure may run more than once; when the worker's task comes back (it publishes a new address), the
-strategy's heartbeat loop finds it (the one path that looks) and the coordinator reconnects to it. Which instance of a worker is current is the strategy's
+strategy's heartbeat loop finds it (the one path that looks) and the coordinator reconnects to it. Which
+instance of a worker is current is the strategy's
 :class:`~torchstrategies.parameter_server.worker_links.WorkerLink`: the coordinator runs closures only on the
 instance that the link (and so the heartbeats) follows, and abandons a call when that instance is found dead.
 A ps that dies makes ``schedule``/``join``/``done`` raise
