@@ -18,7 +18,7 @@ import torch
 
 from torchstrategies.errors import CheckpointError
 
-__all__ = ["FORMAT", "write", "read", "encode"]
+__all__ = ["FORMAT", "write", "read"]
 
 FORMAT = "torchstrategies-checkpoint-1"   # the state's "format" entry (the payload's layout, unchanged)
 _MAGIC = b"TSCKPT\x00\x02"                # file format 2: the header below
@@ -26,17 +26,14 @@ _HEADER = struct.Struct("<8sQ32s")        # magic, payload length, sha256(payloa
 _ZIP = b"PK\x03\x04"                      # format 1: torch.save's zip, as it is
 
 
-def encode(state: dict[str, Any]) -> bytes:
-    """The file's bytes for ``state``: the header, then ``torch.save(state)``."""
+def write(f: Any, state: dict[str, Any]) -> None:
+    """Writes ``state`` to the open binary file ``f``: the header, then ``torch.save(state)``'s bytes (the
+    caller renames the file into place)."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    payload = buf.getvalue()
-    return _HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest()) + payload
-
-
-def write(f: Any, state: dict[str, Any]) -> None:
-    """Writes ``state`` to the open binary file ``f`` (the caller renames it into place)."""
-    f.write(encode(state))
+    payload = buf.getbuffer()  # no copy of the bytes
+    f.write(_HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest()))
+    f.write(payload)
 
 
 def read(path: str) -> dict[str, Any]:

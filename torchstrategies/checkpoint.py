@@ -384,7 +384,7 @@ def _atomic_save(state: dict[str, Any], path: str) -> None:
 
 def _remove_temporaries(directory: str, pattern: str) -> None:
     """Removes what saves killed mid-write left in ``directory`` (``pattern``: a glob of their names)."""
-    for tmp in glob.glob(os.path.join(directory, pattern)):
+    for tmp in glob.glob(os.path.join(glob.escape(directory), pattern)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
             log.info("removed %s, left by an interrupted save", tmp)
@@ -414,13 +414,18 @@ class CheckpointManager:
     @property
     def checkpoints(self) -> list[str]:
         """Existing checkpoints, oldest first."""
-        pat = re.compile(re.escape(self.checkpoint_name) + r"-(\d+)\.pt$")
+        return [p for _, p in self._numbered()]
+
+    def _numbered(self) -> list[tuple[int, str]]:
+        """(number, path) of every checkpoint ``<name>-<number>.pt`` in the directory, oldest first (never the
+        temporaries of saves, ``.<name>-<number>.pt.tmp-*``)."""
+        pat = re.compile(re.escape(self.checkpoint_name) + r"-(\d+)\.pt")
         found = []
-        for p in glob.glob(os.path.join(self.directory, f"{self.checkpoint_name}-*.pt")):
+        for p in glob.glob(os.path.join(glob.escape(self.directory), f"{glob.escape(self.checkpoint_name)}-*.pt")):
             m = pat.fullmatch(os.path.basename(p))
             if m:
                 found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return sorted(found)
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -458,7 +463,7 @@ class CheckpointManager:
         round), or none.
         """
         ext = _mwms_extended()
-        numbered = list(zip(self._numbers(), self.checkpoints))
+        numbered = self._numbered()
         bound: int | None = None
         while True:
             number, path, state = self._newest_good(numbered, bound)
@@ -468,6 +473,9 @@ class CheckpointManager:
             low, neg_high = (int(v) for v in ext.all_reduce_tensors("min", [mine])[0].tolist())
             if low == -neg_high:  # every worker chose the same one (or none: -1)
                 break
+            if number > low:
+                log.warning("another worker cannot restore %s: every worker takes %s", path,
+                            f"checkpoint {low} or an older one" if low >= 0 else "none (a fresh start)")
             bound = low  # the newest some worker could check: everyone tries that one or an older one
             if low < 0:
                 number, path, state = -1, None, None
@@ -476,10 +484,6 @@ class CheckpointManager:
             return None
         self.checkpoint._load_file(path, state)
         return path
-
-    def _numbers(self) -> list[int]:
-        pat = re.compile(re.escape(self.checkpoint_name) + r"-(\d+)\.pt")
-        return [int(cast(re.Match[str], pat.fullmatch(os.path.basename(p))).group(1)) for p in self.checkpoints]
 
     def _newest_good(self, numbered: list[tuple[int, str]], bound: int | None
                      ) -> tuple[int, str | None, dict[str, Any] | None]:
@@ -492,7 +496,6 @@ class CheckpointManager:
             except (CheckpointError, OSError) as exc:
                 warnings.warn(f"CheckpointManager: skipping {path!r}, which cannot be restored: {exc}",
                               RuntimeWarning, stacklevel=3)
-                log.warning("skipping %s, which cannot be restored: %s", path, exc)
         return -1, None, None
 
 
