@@ -160,6 +160,25 @@ def test_restore_or_initialize_skips_damaged_checkpoints_with_a_warning_and_take
     assert _same(before, _snapshot(other, oopt, osched, nothing))
 
 
+def test_the_preemption_handler_resumes_from_the_newest_good_checkpoint(tmp_path):
+    from torchstrategies.checkpoint import Checkpoint, CheckpointManager, PreemptionCheckpointHandler
+
+    model = _model()
+    ckpt = Checkpoint(model=model, step=0)
+    manager = CheckpointManager(ckpt, str(tmp_path))
+    for step in (4, 5):
+        ckpt.step = step
+        manager.save()
+    _damage(os.path.join(str(tmp_path), "ckpt-5.pt"), "random bytes")
+    resumed = Checkpoint(model=_model(seed=1), step=0)
+    with pytest.warns(RuntimeWarning, match="ckpt-5.pt"):
+        handler = PreemptionCheckpointHandler(CheckpointManager(resumed, str(tmp_path)), exit_fn=lambda code: None)
+    try:
+        assert handler.restored_from.endswith("ckpt-4.pt") and handler.total_run_calls == 4
+    finally:
+        handler.close()
+
+
 _KILLED_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, {root!r})
