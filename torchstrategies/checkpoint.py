@@ -327,16 +327,15 @@ class Checkpoint:
         missing = [n for n in self._objects if n not in state]
         if missing:
             raise ValueError(f"Checkpoint.load_state_dict: the state has no entry for {missing}")
-        rest: dict[str, Any] = {}
-        values: dict[str, Any] = {}
+        rest = {n: o for n, o in self._objects.items() if self._kinds[n] != "optimizer"}
+        values = {n: from_bytes(state[n]) if self._kinds[n] == "per_rank" else state[n] for n in rest}
+        ints = {k: state[k] for k in self._ints if k in state}
+        where = "given to load_state_dict"
+        self._check(rest, values, ints, where, None)  # before anything is loaded, optimizers included
         for name, obj in self._objects.items():
-            kind = self._kinds[name]
-            if kind == "optimizer":
+            if self._kinds[name] == "optimizer":
                 set_optimizer_state_dict(self._owner(name, obj), obj, state[name])
-            else:
-                rest[name] = obj
-                values[name] = from_bytes(state[name]) if kind == "per_rank" else state[name]
-        self._load(rest, values, {k: state[k] for k in self._ints if k in state}, "the state")
+        self._load(rest, values, ints, where)
 
     def _owner(self, name: str, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The module of this checkpoint that holds every parameter of ``optimizer``."""
