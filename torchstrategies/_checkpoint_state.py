@@ -259,3 +259,114 @@ def restore_variable(ext: Collective | None, v: Variable, value: torch.Tensor) -
     if ext is not None and sync == "ON_READ" and agg == "SUM":
         value = value / ext.world_size  # TF: each replica holds value / num_replicas so the sum reads back
     v.assign(value)
+
+
+# --- what a restore checks before it changes anything ------------------------------------------------------
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_restorable(name: str, kind: str, obj: Any, value: Any, ext: Collective | None) -> str:
+    """Why ``value`` (saved for ``name``) cannot be restored into ``obj``, or ``""``; reads, never writes.
+
+    A module: the same keys, and every tensor the same shape and dtype ("parameter 2.bias: saved (4,),
+    model (8,)"); an optimizer: the same parameter groups and sizes, and state tensors the shape of the live
+    state's (a fresh ``torch.optim`` optimizer: broadcastable to their parameter's); a variable: its shape
+    and dtype; per-rank state: decodable, of this generator's size; a dataset position: two ints.
+    """
+    if kind == "module":
+        return _module_problem(obj, value)
+    if kind == "optimizer":
+        return _optimizer_problem(obj, value)
+    if kind == "variable":
+        live = torch.as_tensor(obj.read_value())
+        if not isinstance(value, torch.Tensor):
+            return f"saved a {type(value).__name__}, expected a tensor"
+        if _shape(value) != _shape(live) or value.dtype != live.dtype:
+            return f"saved {_shape(value)} {value.dtype}, variable {_shape(live)} {live.dtype}"
+        return ""
+    if kind == "per_rank":
+        return _per_rank_problem(obj, value, ext)
+    if kind == "dataset" or (isinstance(value, list) and hasattr(obj, "restore_position")):
+        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+            return f"saved {value!r}, expected a position [epoch, consumed]"
+        return ""
+    return ""  # any other object with load_state_dict: only it can tell (loaded first, undone if it refuses)
+
+
+def _module_problem(module: torch.nn.Module, saved: Any) -> str:
+    if not isinstance(saved, dict):
+        return f"saved a {type(saved).__name__}, expected a state_dict"
+    live = module.state_dict()
+    missing = [k for k in live if k not in saved]
+    extra = [k for k in saved if k not in live]
+    if missing or extra:
+        return (f"the checkpoint lacks {missing[:5]} and has {extra[:5]} that the model lacks" if missing and extra
+                else f"the checkpoint lacks {missing[:5]}" if missing else f"the model lacks {extra[:5]}")
+    params = {k for k, _ in module.named_parameters()}
+    for k, t in live.items():
+        s = saved[k]
+        what = "parameter" if k in params else "buffer"
+        if isinstance(t, torch.Tensor) != isinstance(s, torch.Tensor):
+            return f"{what} {k}: saved a {type(s).__name__}, model a {type(t).__name__}"
+        if isinstance(t, torch.Tensor) and _shape(s) != _shape(t):
+            return f"{what} {k}: saved {_shape(s)}, model {_shape(t)}"
+        if isinstance(t, torch.Tensor) and s.dtype != t.dtype:
+            return f"{what} {k}: saved {s.dtype}, model {t.dtype}"
+    return ""
+
+
+def _optimizer_problem(opt: torch.optim.Optimizer, saved: Any) -> str:
+    if not (isinstance(saved, dict) and isinstance(saved.get("param_groups"), list)
+            and isinstance(saved.get("state"), dict)):
+        return "saved no optimizer state_dict (param_groups, state)"
+    groups, live = saved["param_groups"], opt.param_groups
+    if len(groups) != len(live):
+        return f"saved {len(groups)} parameter groups, the optimizer has {len(live)}"
+    params: dict[Any, torch.Tensor] = {}
+    for i, (g, lg) in enumerate(zip(groups, live)):
+        if len(g.get("params", ())) != len(lg["params"]):
+            return (f"parameter group {i}: saved {len(g.get('params', ()))} parameters, the optimizer has "
+                    f"{len(lg['params'])}")
+        params.update(zip(g["params"], lg["params"]))
+    # LBFGS keeps one flat state for all its parameters: only a live state says what its shapes are
+    by_param = type(opt).__module__.startswith("torch.optim") and not isinstance(opt, torch.optim.LBFGS)
+    for pid, st in saved["state"].items():
+        p = params.get(pid)
+        if p is None or not isinstance(st, dict):
+            return f"state of parameter {pid!r}, which no parameter group holds"
+        current = opt.state.get(p, {})
+        for key, v in st.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            ref = current.get(key)
+            if isinstance(ref, torch.Tensor):
+                if _shape(v) != _shape(ref):
+                    return f"state {key!r} of parameter {pid}: saved {_shape(v)}, optimizer {_shape(ref)}"
+            elif by_param and (v.dim() != p.dim() or any(a not in (b, 1) for a, b in zip(v.shape, p.shape))):
+                return f"state {key!r} of parameter {pid}: saved {_shape(v)}, parameter {_shape(p)}"
+    return ""
+
+
+def _per_rank_problem(obj: RandomState | torch.Generator, ranks: Any, ext: Collective | None) -> str:
+    if not (isinstance(ranks, list) and ranks and all(isinstance(b, bytes) for b in ranks)):
+        return "saved no per-rank states"
+    rank, _ = rank_world(ext)
+    try:
+        state = from_bytes(ranks[rank % len(ranks)])
+    except Exception as exc:  # noqa: BLE001 - a damaged state, whatever torch says of it
+        return f"saved rank {rank % len(ranks)}'s state cannot be decoded ({type(exc).__name__})"
+    mine = per_rank_state(obj)
+    if isinstance(mine, torch.Tensor):  # a torch.Generator's
+        if not isinstance(state, torch.Tensor) or _shape(state) != _shape(mine) or state.dtype != mine.dtype:
+            return f"saved a generator state that is not this generator's ({_shape(mine)} {mine.dtype})"
+        return ""
+    assert isinstance(mine, dict)
+    if not (isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
+            and _shape(state["torch"]) == _shape(mine["torch"]) and isinstance(state.get("python"), dict)):
+        return "saved a random state that is not torch's and Python's"
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) != torch.cuda.device_count():
+        return (f"holds the random state of {len(cuda)} CUDA devices, this process sees "
+                f"{torch.cuda.device_count()}")
+    return ""

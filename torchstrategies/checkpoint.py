@@ -34,6 +34,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import glob
 import json
 import logging
@@ -42,14 +44,17 @@ import re
 import signal
 import sys
 import uuid
+import warnings
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
+from torchstrategies import _checkpoint_file
 from torchstrategies._checkpoint_state import (
     RandomState,
+    check_restorable,
     from_bytes,
     gather_per_rank,
     job_module_state,
@@ -60,14 +65,16 @@ from torchstrategies._checkpoint_state import (
     restore_variable,
     to_bytes,
 )
+from torchstrategies.errors import CheckpointError
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
-__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE"]
+__all__ = ["Checkpoint", "CheckpointManager", "PreemptionCheckpointHandler", "RandomState", "RESTARTABLE_EXIT_CODE",
+           "CheckpointError", "read_state"]
 
 log = logging.getLogger("torchstrategies.checkpoint")
 
 RESTARTABLE_EXIT_CODE = 42
-_FORMAT = "torchstrategies-checkpoint-1"
+_FORMAT = _checkpoint_file.FORMAT
 
 
 P = ParamSpec("P")
@@ -169,24 +176,61 @@ class Checkpoint:
             state["random_state"] = gather_per_rank(ext, to_bytes(RandomState().state_dict()))
         return state
 
-    def _load(self, targets: dict[str, Any], values: dict[str, Any], ints: dict[str, Any], where: str) -> None:
-        missing = [n for n in targets if n not in values]
-        if missing:
-            raise ValueError(f"Checkpoint: {where} has no entry for {missing}")
+    def _load(self, targets: dict[str, Any], values: dict[str, Any], ints: dict[str, Any], where: str,
+              random_state: list[bytes] | None = None) -> None:
+        """Checks every value against its object, then loads them: a failed check changes nothing."""
+        self._check(targets, values, ints, where, random_state)
         ext = _mwms_extended()
-        for name, obj in targets.items():
-            kind, value = self._kinds[name], values[name]
+        # What may still refuse its state (objects checkpoint.py cannot look into) goes first, undone if it does.
+        order = sorted(targets, key=lambda n: self._kinds[n] not in ("stateful", "dataset"))
+        undo: list[Callable[[], object]] = []
+        for name in order:
+            obj, kind, value = targets[name], self._kinds[name], values[name]
             if kind == "per_rank":
                 restore_per_rank(name, obj, value, ext)
             elif kind == "variable":
                 restore_variable(ext, obj, value)
-            elif isinstance(value, list) and hasattr(obj, "restore_position"):
-                obj.restore_position(*value)  # a dataset position as checkpoints before state_dict kept it
+            elif kind in ("stateful", "dataset"):
+                as_position = isinstance(value, list) and hasattr(obj, "restore_position")
+                before = list(obj.position) if as_position else copy.deepcopy(obj.state_dict())
+                try:
+                    if as_position:
+                        obj.restore_position(*value)  # a dataset position as checkpoints before state_dict kept it
+                    else:
+                        obj.load_state_dict(value)
+                except Exception as exc:
+                    for u in reversed(undo):
+                        u()
+                    raise CheckpointError(f"checkpoint {where}: {name} refused its saved state ({exc}); nothing "
+                                          "was restored") from exc
+                undo.append(functools.partial(obj.restore_position, *before) if as_position
+                            else functools.partial(obj.load_state_dict, before))
             else:
                 obj.load_state_dict(value)
         for k, v in ints.items():
             if k in self._ints:
                 self._ints[k] = int(v)
+        if random_state is not None:
+            restore_per_rank("the random state", RandomState(), random_state, ext)
+
+    def _check(self, targets: dict[str, Any], values: dict[str, Any], ints: dict[str, Any], where: str,
+               random_state: list[bytes] | None) -> None:
+        """Raises CheckpointError naming ``where`` and the first entry that cannot be restored."""
+        missing = [n for n in targets if n not in values]
+        if missing:
+            raise CheckpointError(f"checkpoint {where} has no entry for {missing}")
+        ext = _mwms_extended()
+        for name, obj in targets.items():
+            why = check_restorable(name, self._kinds[name], obj, values[name], ext)
+            if why:
+                raise CheckpointError(f"checkpoint {where}: {name}: {why}")
+        bad = [k for k, v in ints.items() if k in self._ints and (isinstance(v, bool) or not isinstance(v, int))]
+        if bad:
+            raise CheckpointError(f"checkpoint {where}: {bad[0]} is {ints[bad[0]]!r}, expected an int")
+        if random_state is not None:
+            why = check_restorable("the random state", "per_rank", RandomState(), random_state, ext)
+            if why:
+                raise CheckpointError(f"checkpoint {where}: the random state: {why}")
 
     def save(self, path: str) -> str:
         """Writes a checkpoint to ``path`` (chief only, atomically); a collective under MultiWorkerMirrored."""
@@ -204,18 +248,43 @@ class Checkpoint:
     write = save
 
     def restore(self, path: str) -> Checkpoint:
-        """Loads ``path`` into the objects (every worker reads); returns self."""
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"Checkpoint.restore: no checkpoint at {path!r}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise ValueError(f"Checkpoint.restore: {path!r} is not a torchstrategies checkpoint")
-        saved = state["objects"]
-        values = {n: saved[n]["state"] for n in self._objects if n in saved}
-        self._load(self._objects, values, state["ints"], repr(path))
-        if self._save_random_state and "random_state" in state:
-            restore_per_rank("the random state", RandomState(), state["random_state"], _mwms_extended())
+        """Loads ``path`` into the objects (every worker reads); returns self.
+
+        The file is read and checked first (its checksum, then every entry against its object: names, shapes,
+        dtypes), so a damaged file or one of another model raises :class:`CheckpointError` naming the file
+        and what is wrong, and changes nothing.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            CheckpointError: the file is damaged, or does not fit the objects.
+        """
+        self._load_file(path, _checkpoint_file.read(path))
         return self
+
+    def _load_file(self, path: str, state: dict[str, Any]) -> None:
+        """Loads a state read from ``path`` (checked again: the check is cheap, the loading all or nothing)."""
+        random_state = state.get("random_state") if self._save_random_state else None
+        self._load(self._objects, self._saved_values(path, state), state["ints"], repr(path), random_state)
+
+    def _check_file(self, path: str) -> dict[str, Any]:
+        """The checked state of ``path`` (raises what :meth:`restore` would), changing nothing."""
+        state = _checkpoint_file.read(path)
+        random_state = state.get("random_state") if self._save_random_state else None
+        self._check(self._objects, self._saved_values(path, state), state["ints"], repr(path), random_state)
+        return state
+
+    def _saved_values(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
+        """What the file holds for each named object, saved as the same kind of object."""
+        values = {}
+        for name, entry in state["objects"].items():
+            if name not in self._objects:
+                continue
+            kind = entry.get("kind") if isinstance(entry, dict) else None
+            mine = self._kinds[name]
+            if kind != mine and not (kind == "dataset" and hasattr(self._objects[name], "restore_position")):
+                raise CheckpointError(f"checkpoint {path!r}: {name} was saved as a {kind}, is a {mine}")
+            values[name] = entry["state"]
+        return values
 
     read = restore
 
@@ -258,16 +327,15 @@ class Checkpoint:
         missing = [n for n in self._objects if n not in state]
         if missing:
             raise ValueError(f"Checkpoint.load_state_dict: the state has no entry for {missing}")
-        rest: dict[str, Any] = {}
-        values: dict[str, Any] = {}
+        rest = {n: o for n, o in self._objects.items() if self._kinds[n] != "optimizer"}
+        values = {n: from_bytes(state[n]) if self._kinds[n] == "per_rank" else state[n] for n in rest}
+        ints = {k: state[k] for k in self._ints if k in state}
+        where = "given to load_state_dict"
+        self._check(rest, values, ints, where, None)  # before anything is loaded, optimizers included
         for name, obj in self._objects.items():
-            kind = self._kinds[name]
-            if kind == "optimizer":
+            if self._kinds[name] == "optimizer":
                 set_optimizer_state_dict(self._owner(name, obj), obj, state[name])
-            else:
-                rest[name] = obj
-                values[name] = from_bytes(state[name]) if kind == "per_rank" else state[name]
-        self._load(rest, values, {k: state[k] for k in self._ints if k in state}, "the state")
+        self._load(rest, values, ints, where)
 
     def _owner(self, name: str, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The module of this checkpoint that holds every parameter of ``optimizer``."""
@@ -279,16 +347,46 @@ class Checkpoint:
                          "(DCP keys optimizer state by parameter name)")
 
 
+def read_state(path: str) -> dict[str, Any]:
+    """The state a checkpoint file holds, checked (what ``torch.load`` of the file gave before the checksum).
+
+    The file is a 48-byte header (magic, payload length, SHA-256 of the payload) and ``torch.save``'s bytes of
+    ``{"format", "ints", "objects": {name: {"kind", "state"}}, "random_state"}``, decoded with
+    ``weights_only=True``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is empty, truncated, changed after it was written, or not a checkpoint.
+
+    Example:
+        >>> import tempfile
+        >>> path = Checkpoint(step=2, save_random_state=False).save(os.path.join(tempfile.mkdtemp(), "c.pt"))
+        >>> read_state(path)["ints"]
+        {'step': 2}
+    """
+    return _checkpoint_file.read(path)
+
+
 def _atomic_save(state: dict[str, Any], path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    _remove_temporaries(directory, f".{glob.escape(os.path.basename(path))}.tmp-*")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            _checkpoint_file.write(f, state)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _remove_temporaries(directory: str, pattern: str) -> None:
+    """Removes what saves killed mid-write left in ``directory`` (``pattern``: a glob of their names)."""
+    for tmp in glob.glob(os.path.join(glob.escape(directory), pattern)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+            log.info("removed %s, left by an interrupted save", tmp)
 
 
 class CheckpointManager:
@@ -315,13 +413,18 @@ class CheckpointManager:
     @property
     def checkpoints(self) -> list[str]:
         """Existing checkpoints, oldest first."""
-        pat = re.compile(re.escape(self.checkpoint_name) + r"-(\d+)\.pt$")
+        return [p for _, p in self._numbered()]
+
+    def _numbered(self) -> list[tuple[int, str]]:
+        """(number, path) of every checkpoint ``<name>-<number>.pt`` in the directory, oldest first (never the
+        temporaries of saves, ``.<name>-<number>.pt.tmp-*``)."""
+        pat = re.compile(re.escape(self.checkpoint_name) + r"-(\d+)\.pt")
         found = []
-        for p in glob.glob(os.path.join(self.directory, f"{self.checkpoint_name}-*.pt")):
-            m = pat.search(os.path.basename(p))
+        for p in glob.glob(os.path.join(glob.escape(self.directory), f"{glob.escape(self.checkpoint_name)}-*.pt")):
+            m = pat.fullmatch(os.path.basename(p))
             if m:
                 found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return sorted(found)
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -337,8 +440,11 @@ class CheckpointManager:
                 self._save_counter += 1
                 checkpoint_number = self._save_counter
         path = os.path.join(self.directory, f"{self.checkpoint_name}-{int(checkpoint_number)}.pt")
-        self.checkpoint.save(path)
         ext = _mwms_extended()
+        if ext is None or ext.should_checkpoint:
+            _remove_temporaries(self.directory, f".{glob.escape(self.checkpoint_name)}-*.pt.tmp-*")
+            _remove_temporaries(self.directory, "checkpoint.tmp-*")
+        self.checkpoint.save(path)
         if (ext is None or ext.should_checkpoint) and self.max_to_keep is not None:
             for old in self.checkpoints[:-self.max_to_keep]:
                 with contextlib.suppress(FileNotFoundError):
@@ -348,11 +454,48 @@ class CheckpointManager:
         return path
 
     def restore_or_initialize(self) -> str | None:
-        """Restores the latest checkpoint if there is one; returns its path (else None)."""
-        latest = self.latest_checkpoint
-        if latest is not None:
-            self.checkpoint.restore(latest)
-        return latest
+        """Restores the newest checkpoint that loads; returns its path (None if there is none).
+
+        A checkpoint that fails :meth:`Checkpoint.restore`'s checks (damaged, of another model) is skipped with
+        a warning naming it and why, and the next older one is tried. Under MultiWorkerMirroredStrategy every
+        worker restores the same one: the newest that every worker could check (one tiny all-reduce per
+        round), or none.
+        """
+        ext = _mwms_extended()
+        numbered = self._numbered()
+        bound: int | None = None
+        while True:
+            number, path, state = self._newest_good(numbered, bound)
+            if ext is None:
+                break
+            mine = torch.tensor([number, -number], dtype=torch.int64, device=ext.worker_devices[0])
+            low, neg_high = (int(v) for v in ext.all_reduce_tensors("min", [mine])[0].tolist())
+            if low == -neg_high:  # every worker chose the same one (or none: -1)
+                break
+            if number > low:
+                log.warning("another worker cannot restore %s: every worker takes %s", path,
+                            f"checkpoint {low} or an older one" if low >= 0 else "none (a fresh start)")
+            bound = low  # the newest some worker could check: everyone tries that one or an older one
+            if low < 0:
+                number, path, state = -1, None, None
+                break
+        if path is None or state is None:
+            return None
+        self.checkpoint._load_file(path, state)
+        return path
+
+    def _newest_good(self, numbered: list[tuple[int, str]], bound: int | None
+                     ) -> tuple[int, str | None, dict[str, Any] | None]:
+        """The newest checkpoint numbered at most ``bound`` that passes the checks: (number, path, state)."""
+        for number, path in reversed(numbered):
+            if bound is not None and number > bound:
+                continue
+            try:
+                return number, path, self.checkpoint._check_file(path)
+            except (CheckpointError, OSError) as exc:
+                warnings.warn(f"CheckpointManager: skipping {path!r}, which cannot be restored: {exc}",
+                              RuntimeWarning, stacklevel=3)
+        return -1, None, None
 
 
 def _atomic_write_text(path: str, text: str) -> None:

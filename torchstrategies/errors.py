@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError",
-    "MembershipBelowMinimumError",
+    "MembershipBelowMinimumError", "CheckpointError",
 ]
 
 
@@ -48,3 +48,9 @@ class ReplicaDivergenceError(TorchStrategiesError):
 class MembershipBelowMinimumError(UnavailableError):
     """A fault-tolerant MultiWorkerMirrored job has fewer live workers than ``FaultTolerance.min_workers``:
     the message names the generation, its members and the minimum."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be restored into the given objects: it is damaged (empty, truncated, changed
+    after it was written) or holds other shapes, dtypes or entries; the message names the file and what is
+    wrong. Nothing was changed by the failed restore."""

@@ -63,7 +63,7 @@ std::string differences(const CallDesc& a, const CallDesc& b) {
   if (a.count != b.count) add("numel");
   if (a.root != b.root) add("root");
   if (a.parts != b.parts) add("number of tensors");
-  if (a.parts == b.parts && a.shape != b.shape) add("the tensors' sizes or dtypes");
+  if (a.parts == b.parts && a.shape != b.shape) add("the tensors' shapes or dtypes");
   return out;
 }
 

@@ -188,27 +188,57 @@ void Work::settle(c10::ivalue::Future& future) const {
 }
 
 core::CallDesc describe_call(core::CallKind kind, const std::vector<at::Tensor>& tensors, int32_t op, int32_t root,
-                             bool sizes_agree) {
+                             bool sizes_agree, const std::vector<at::Tensor>& outputs) {
   core::CallDesc d;
   d.kind = kind;
   d.op = op;
   d.root = root;
   d.parts = static_cast<int32_t>(tensors.size());
   d.dtype = tensors.empty() ? 0 : static_cast<int32_t>(tensors[0].scalar_type());
-  uint32_t h = 2166136261u;  // FNV-1a over (numel, dtype) of every tensor, in order
+  uint32_t h = 2166136261u;  // FNV-1a over (shape, dtype) of every tensor, in order, then of every output
   auto mix = [&h](uint64_t v) {
     for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ static_cast<uint32_t>(v & 0xFF)) * 16777619u;
+  };
+  auto mix_shape = [&mix](const at::Tensor& t) {
+    mix(static_cast<uint64_t>(t.dim()));
+    for (const int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
   };
   for (const auto& t : tensors) {
     if (static_cast<int32_t>(t.scalar_type()) != d.dtype) d.dtype = core::kMixedDtype;
     if (sizes_agree) {
       d.count += t.numel();
-      mix(static_cast<uint64_t>(t.numel()));
+      mix_shape(t);
     }
     mix(static_cast<uint64_t>(t.scalar_type()));
   }
+  if (sizes_agree && !outputs.empty()) {
+    mix(static_cast<uint64_t>(outputs.size()));
+    for (const auto& t : outputs) mix_shape(t);
+  }
   d.shape = h;
   return d;
+}
+
+std::string unsupported_reduction(const char* what, at::ScalarType dtype, int32_t op) {
+  const bool floating = at::isFloatingType(dtype);
+  const std::string call = std::string("torchstrategies ") + what + ": ";
+  const std::string pair = torch_dtype_name(static_cast<int32_t>(dtype)) + " with " + c10d_op_name(op);
+  switch (dtype) {  // our kernels' dtypes (checks.h) and gloo's: the dtypes some implementation reduces
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kInt: case at::kLong:
+    case at::kBool: case at::kByte: case at::kChar:
+      break;
+    default:
+      return call + "no implementation reduces " + pair + " (our kernels take float32, float64, float16, bfloat16, "
+             "int32 and int64, gloo also bool, int8 and uint8): convert the tensor, e.g. to int32";
+  }
+  if (op == c10d::ReduceOp::AVG && !floating) {
+    return call + "no implementation reduces " + pair + ": AVG needs a floating-point dtype (reduce with SUM "
+           "and divide, or convert to a floating-point dtype)";
+  }
+  if ((op == c10d::ReduceOp::BAND || op == c10d::ReduceOp::BOR || op == c10d::ReduceOp::BXOR) && floating) {
+    return call + "no implementation reduces " + pair + ": bitwise ops need an integer or bool dtype";
+  }
+  return "";
 }
 
 void install_code_names() { core::set_code_names(c10d_op_name, torch_dtype_name); }
@@ -316,6 +346,15 @@ void Backend::loop() {
   }
 }
 
+c10::intrusive_ptr<c10d::Work> Backend::refuse(OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
+                                               std::chrono::milliseconds timeout, bool sync, std::string why) {
+  return submit(type, desc, std::move(outputs), timeout, sync,
+                [this, desc, why = std::move(why)](std::chrono::milliseconds t, const auto&) {
+                  transport_->check(desc, core_seconds(t));
+                  TORCH_CHECK_VALUE(false, why);
+                });
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::delegate(OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                                  std::chrono::milliseconds timeout, bool sync,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op) {
@@ -334,11 +373,16 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   const int op = core_op(opts.reduceOp);
   const auto dtype = kernel_dtype_of(tensors);
   const int32_t c10d_op = static_cast<int32_t>(opts.reduceOp.op_);
-  if (op < 0 || !dtype) {  // a dtype (bool, int8, complex...), op or layout our kernels do not take: gloo
+  const core::CallDesc desc =
+      describe_call(op < 0 || !dtype ? core::kAllReduceDelegated : core::kAllReduce, tensors, c10d_op);
+  if (desc.dtype != core::kMixedDtype && tensors[0].layout() == at::kStrided) {
+    std::string why = unsupported_reduction("all_reduce", tensors[0].scalar_type(), c10d_op);
+    if (!why.empty()) return refuse(OpType::ALLREDUCE, desc, tensors, opts.timeout, !opts.asyncOp, std::move(why));
+  }
+  if (op < 0 || !dtype) {  // a dtype (bool, int8...), op or layout our kernels do not take: gloo
     auto ts = tensors;
     auto o = opts;
-    return delegate(OpType::ALLREDUCE, describe_call(core::kAllReduceDelegated, tensors, c10d_op), tensors,
-                    opts.timeout, !opts.asyncOp, [this, ts, o]() mutable {
+    return delegate(OpType::ALLREDUCE, desc, tensors, opts.timeout, !opts.asyncOp, [this, ts, o]() mutable {
                       if (ts.size() == 1) return gloo_->allreduce(ts, o);
                       c10d::AllreduceCoalescedOptions co;
                       co.reduceOp = o.reduceOp;
@@ -346,12 +390,9 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
                       return gloo_->allreduce_coalesced(ts, co);
                     });
   }
-  TORCH_CHECK(op != core::kMean || at::isFloatingType(tensors[0].scalar_type()),
-              "torchstrategies allreduce: AVG needs floating-point tensors, got ", tensors[0].scalar_type());
   std::vector<at::Tensor> used;
   for (const auto& t : tensors) used.push_back(work_on(t));
   unalias(used);
-  const core::CallDesc desc = describe_call(core::kAllReduce, tensors, c10d_op);
   return submit(OpType::ALLREDUCE, desc, tensors, opts.timeout, !opts.asyncOp,
                 [this, used = std::move(used), dt = *dtype, op, desc](std::chrono::milliseconds t,
                                                                       const std::vector<at::Tensor>& outputs) {
@@ -411,7 +452,7 @@ c10::intrusive_ptr<c10d::Work> Backend::all_gather_pairs(OpType type, const std:
     ins.push_back(work_on(inputs[i]));
     outs.push_back(work_on(outputs[i]));
   }
-  const core::CallDesc desc = describe_call(core::kAllGather, inputs);
+  const core::CallDesc desc = describe_call(core::kAllGather, inputs, 0, 0, true, outputs);
   return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
                 [this, ins = std::move(ins), outs = std::move(outs), desc](std::chrono::milliseconds t,
                                                                            const std::vector<at::Tensor>& outputs) {
@@ -440,7 +481,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   check_cpu("allgather", input);
   const at::Tensor in = work_on(input);
   const at::Tensor flat = at::empty({getSize() * input.numel()}, input.options());
-  const core::CallDesc desc = describe_call(core::kAllGather, {input});
+  const core::CallDesc desc = describe_call(core::kAllGather, {input}, 0, 0, true, outs);
   return submit(OpType::ALLGATHER, desc, outs, opts.timeout, !opts.asyncOp,
                 [this, in, flat, desc](std::chrono::milliseconds t, const std::vector<at::Tensor>& outs) {
                   transport_->all_gather(ptr(in), ptr(flat), static_cast<size_t>(nbytes(in)), desc, core_seconds(t));
@@ -475,10 +516,15 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_pairs(OpType type, const 
   const int op = core_op(opts.reduceOp);
   const auto dtype = kernel_dtype_of(inputs);
   const int32_t c10d_op = static_cast<int32_t>(opts.reduceOp.op_);
+  const core::CallDesc desc = describe_call(op < 0 || !dtype ? core::kReduceScatterDelegated : core::kReduceScatter,
+                                            inputs, c10d_op, 0, true, outputs);
+  if (desc.dtype != core::kMixedDtype && inputs[0].layout() == at::kStrided) {
+    std::string why = unsupported_reduction("reduce_scatter", inputs[0].scalar_type(), c10d_op);
+    if (!why.empty()) return refuse(type, desc, outputs, opts.timeout, !opts.asyncOp, std::move(why));
+  }
   if (op < 0 || !dtype) {
     auto o = opts;
-    return delegate(type, describe_call(core::kReduceScatterDelegated, inputs, c10d_op), outputs, opts.timeout,
-                    !opts.asyncOp, [this, outs = outputs, ins = inputs, o]() mutable {
+    return delegate(type, desc, outputs, opts.timeout, !opts.asyncOp, [this, outs = outputs, ins = inputs, o]() mutable {
                       c10::intrusive_ptr<c10d::Work> w;
                       for (size_t i = 0; i < ins.size(); ++i) {
                         if (w) w->wait();
@@ -487,14 +533,11 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_pairs(OpType type, const 
                       return w;
                     });
   }
-  TORCH_CHECK(op != core::kMean || at::isFloatingType(inputs[0].scalar_type()),
-              "torchstrategies reduce_scatter: AVG needs floating-point tensors, got ", inputs[0].scalar_type());
   std::vector<at::Tensor> ins, outs;
   for (size_t i = 0; i < inputs.size(); ++i) {
     ins.push_back(work_on(inputs[i]));
     outs.push_back(work_on(outputs[i]));
   }
-  const core::CallDesc desc = describe_call(core::kReduceScatter, inputs, c10d_op);
   return submit(type, desc, outputs, opts.timeout, !opts.asyncOp,
                 [this, ins = std::move(ins), outs = std::move(outs), dt = *dtype, op, desc](
                     std::chrono::milliseconds t, const std::vector<at::Tensor>& outputs) {

@@ -148,6 +148,10 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
                                           std::chrono::milliseconds timeout, bool sync,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> gloo_op);
+  // A reduction no implementation takes (`why`): the ranks agree on `desc` (so a rank making another call
+  // gets the mismatch), then every rank raises ValueError(`why`) without moving any data.
+  c10::intrusive_ptr<c10d::Work> refuse(c10d::OpType type, const core::CallDesc& desc, std::vector<at::Tensor> outputs,
+                                        std::chrono::milliseconds timeout, bool sync, std::string why);
   // all_gather / reduce_scatter of every (output, input) pair as one call with one descriptor.
   c10::intrusive_ptr<c10d::Work> all_gather_pairs(c10d::OpType type, const std::vector<at::Tensor>& outputs,
                                                   const std::vector<at::Tensor>& inputs,
@@ -170,10 +174,15 @@ class Backend final : public c10d::Backend {
 };
 
 // The one descriptor of a call over `tensors` (core/desc.h): kind, c10d reduce-op code, torch dtype code, the
-// elements of every tensor, their number and a hash of their sizes and dtypes. `sizes_agree` false: the ranks'
-// sizes may differ (uneven all_to_all), so only the kind, dtype and number of tensors are compared.
+// elements of every tensor, their number and a hash of every tensor's shape and dtype, `outputs`' too (the
+// tensors a call writes that are not its inputs: all_gather's list against all_gather_into_tensor's one
+// tensor). `sizes_agree` false: the ranks' sizes may differ (uneven all_to_all), so only the kind, dtype and
+// number of tensors are compared.
 core::CallDesc describe_call(core::CallKind kind, const std::vector<at::Tensor>& tensors, int32_t op = 0,
-                             int32_t root = 0, bool sizes_agree = true);
+                             int32_t root = 0, bool sizes_agree = true, const std::vector<at::Tensor>& outputs = {});
+// Why no implementation (our kernels, gloo) reduces `dtype` with c10d op `op` ("" if one does), e.g. int16
+// with any op, AVG of an integer dtype, BAND of a floating-point one; `what` names the collective.
+std::string unsupported_reduction(const char* what, at::ScalarType dtype, int32_t op);
 // Installs the names of c10d's reduce ops and torch's dtypes for the transport's messages (once, at import).
 void install_code_names();
 

@@ -21,6 +21,10 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   auto o = opts;
   const auto desc = describe_call(core::kReduce, tensors, static_cast<int32_t>(opts.reduceOp.op_),
                                   static_cast<int32_t>(opts.rootRank));
+  if (desc.dtype != core::kMixedDtype && !tensors.empty() && tensors[0].layout() == at::kStrided) {
+    std::string why = unsupported_reduction("reduce", tensors[0].scalar_type(), desc.op);
+    if (!why.empty()) return refuse(OpType::REDUCE, desc, tensors, opts.timeout, !opts.asyncOp, std::move(why));
+  }
   return delegate(OpType::REDUCE, desc, tensors, opts.timeout, !opts.asyncOp,
                   [this, ts, o]() mutable { return gloo_->reduce(ts, o); });
 }

@@ -4,8 +4,9 @@ A descriptor is a fixed-size int64 row (collective, sequence number in the group
 element count, a hash of the shapes). Every rank gathers every row with one small all-gather of the same
 size and dtype on every rank, so a mismatch can never reach gloo (where a size or dtype mismatch aborts the
 process and an op mismatch silently gives different results). The torchstrategies backend compares its own
-descriptors on every call in C++ (csrc/core/desc.h); this check runs with TORCHSTRATEGIES_DEBUG=1 on any
-group (``debug.check``), and also compares the shapes.
+descriptors, shapes included, on every call in C++ (csrc/core/desc.h); this check runs with
+TORCHSTRATEGIES_DEBUG=1 on any group (``debug.check``): the same rule (collective, op, dtype, shapes) for
+gloo and NCCL groups, which have no descriptor of their own.
 
 The sequence numbers are kept in the group's ``GroupState`` (a new group starts at 0) and recover after a mismatch:
 every rank sees the same rows, so every rank raises, and all continue from the largest sequence seen.

@@ -4,7 +4,8 @@ One thread per worker takes closures from the queue and runs them on its worker 
 channel. A worker that dies (its channel breaks) or freezes (it misses a heartbeat: no answer within the
 strategy's ``heartbeat_timeout``) has its in-flight closure put back in the queue for another worker, so a
 closure may run more than once; when the worker's task comes back (it publishes a new address), the
-coordinator reconnects to it. Which instance of a worker is current is the strategy's
+strategy's heartbeat loop finds it (the one path that looks) and the coordinator reconnects to it. Which
+instance of a worker is current is the strategy's
 :class:`~torchstrategies.parameter_server.worker_links.WorkerLink`: the coordinator runs closures only on the
 instance that the link (and so the heartbeats) follows, and abandons a call when that instance is found dead.
 A ps that dies makes ``schedule``/``join``/``done`` raise
@@ -90,8 +91,7 @@ class _WorkerHandle:
         q = self.c._queue
         while not self.c._stopped:
             if self.conn is None:
-                if not self._connect():
-                    time.sleep(0.5)
+                self._connect()
                 continue                        # connected: the next pass takes a closure
             client, on = self.conn
             if on.dead.is_set() or client.broken:
@@ -107,10 +107,11 @@ class _WorkerHandle:
             self._process(closure, client, on)
 
     def _connect(self) -> bool:
-        """Sets up the work channel to the worker's current instance (the one its link follows)."""
+        """Sets up the work channel to the worker's live instance, once the heartbeat loop moved its link
+        to one this thread has not used (it waits up to 0.5 s for that, so a stop is seen soon)."""
         s = self.c.strategy
-        on = self.link.current()
-        if on is None or on is self.on:
+        on = self.link.wait_live(self.on, 0.5)
+        if on is None:
             return False                        # not back yet
         try:
             client = s._connect_worker(self.index, on.address, on.instance)

@@ -335,11 +335,11 @@ class ParameterServerStrategy(Strategy):
         instance.mark_dead(f"stopped answering heartbeats ({error}); its closure is re-queued")
 
     def _find_worker_soon(self, link: WorkerLink) -> None:
-        """Runs ``link.current()`` on its own thread, so connecting to a worker that came back never delays
-        the heartbeats of the others."""
+        """Runs ``link.find_successor()`` on its own thread (the one path that looks for a lost worker), so
+        connecting to a worker that came back never delays the heartbeats of the others."""
         def run() -> None:
             try:
-                link.current()
+                link.find_successor()
             finally:
                 with self._hb_lock:
                     self._replacing.pop(link.index, None)

@@ -9,10 +9,12 @@ worker, and every instance the chief has reached is a :class:`WorkerInstance` of
 * whoever finds an instance dead (a heartbeat that failed, a work call that broke, a setup that failed)
   marks THAT instance dead. An instance that has been replaced can no longer touch its successor: a late
   report about the old one marks only the old one.
-* :meth:`WorkerLink.current` gives the live instance. When the current one is dead it moves to the newer
-  instance the task published in the rendezvous store, opening that instance's control channel first, so
-  the coordinator only ever runs closures on the instance that the heartbeats reach, and the worker's
-  lease on the chief is kept whatever the coordinator is doing.
+* ONE path looks for the instance that replaces a dead one: the strategy's heartbeat loop calls
+  :meth:`WorkerLink.find_successor` (once per heartbeat interval while the latest instance is dead), which
+  reads the task's entry in the rendezvous store and, for a newer instance, opens its control channel first.
+  The coordinator never looks: it waits in :meth:`WorkerLink.wait_live` for the instance the link moved
+  to, so it only ever runs closures on the instance that the heartbeats reach, and the worker's lease on
+  the chief is kept whether or not a coordinator exists.
 
 Before this record the two channels each reread the store on their own, and a heartbeat failure about the
 old instance, arriving after the coordinator had reached the new one, made the coordinator drop the new one
@@ -69,7 +71,8 @@ class WorkerLink:
         self._latest = first
         self._read_entry = read_entry
         self._open_control = open_control
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # one look for a successor at a time
+        self._moved = threading.Condition()     # notified when the link moves to a new instance
         self._refused = ""
 
     @property
@@ -77,9 +80,17 @@ class WorkerLink:
         """The newest instance reached (it may be dead and not yet replaced)."""
         return self._latest
 
-    def current(self) -> WorkerInstance | None:
+    def wait_live(self, after: WorkerInstance | None, timeout: float) -> WorkerInstance | None:
+        """The latest instance once it is live and not ``after`` (the one the caller already used), waiting at
+        most ``timeout`` seconds for the heartbeat loop to move the link; ``None`` if it did not."""
+        with self._moved:
+            self._moved.wait_for(lambda: not self._latest.dead.is_set() and self._latest is not after, timeout)
+            latest = self._latest
+        return latest if not latest.dead.is_set() and latest is not after else None
+
+    def find_successor(self) -> WorkerInstance | None:
         """The live instance, moving to a newly published one when the latest is dead; ``None`` while the
-        task has not come back (or its new entry is refused)."""
+        task has not come back (or its new entry is refused). Only the heartbeat loop calls it."""
         with self._lock:
             latest = self._latest
             if not latest.dead.is_set():
@@ -100,7 +111,9 @@ class WorkerLink:
                 log.info("worker:%d at %s: %s", self.index, entry.address, exc)
                 return None
             latest.control.close()
-            self._latest = WorkerInstance(self.index, entry.address, entry.instance, control)
+            with self._moved:
+                self._latest = WorkerInstance(self.index, entry.address, entry.instance, control)
+                self._moved.notify_all()
             log.warning("worker:%d is back at %s; reconnected", self.index, entry.address)
             return self._latest
 
