@@ -9,10 +9,12 @@ round so machine noise hits all alike:
 - ``add_ loop``: ``out.copy_(t0)`` then ``out.add_(t)`` for the rest, into a preallocated ``out``;
 - ``stack+sum``: ``torch.stack(ts).sum(0)``;
 - ``tree_reduce`` and ``accumulate_n``: our one-pass kernels, into the same preallocated ``out``;
+- ``hash_tensors``: the agreement seam's fingerprint of the same N tensors in one call (``ts.ops.hash_tensors``,
+  docs/strategies.md "Agreement"); it only reads, so its ``GB/s`` is ``N * bytes / time``;
 
 and the memory roofline of the same run, ``dst.copy_(src)`` at that size and thread count (the best of
 its rounds). Effective bandwidth counts each input read once and the output written once:
-``GB/s = (N + 1) * bytes / time``; the roofline is ``2 * bytes / time`` of the copy.
+``GB/s = (N + 1) * bytes / time`` (``hash_tensors``: ``N * bytes / time``); the roofline is ``2 * bytes / time`` of the copy.
 
 Columns (short, so the table fits 80 characters): ``threads``; ``N``; ``elements``; ``method``; ``ms``, the
 median time per call; ``GB/s``; ``% roof``, the GB/s as a percentage of the copy roofline at the same size
@@ -44,7 +46,8 @@ from torchstrategies.env_info import cpu_model
 
 __all__ = ["run", "plot", "thread_counts", "METHODS", "COLUMNS"]
 
-METHODS = ("add_n", "add_ loop", "stack+sum", "tree_reduce", "accumulate_n")
+METHODS = ("add_n", "add_ loop", "stack+sum", "tree_reduce", "accumulate_n", "hash_tensors")
+_READ_ONLY = {"hash_tensors"}  # writes no output: its bytes are the N inputs
 COLUMNS = ["threads", "N", "elements", "method", "ms", "GB/s", "% roof", "x loop"]
 
 
@@ -60,6 +63,7 @@ def _methods(xs: list[torch.Tensor], out: torch.Tensor) -> dict[str, Callable[[]
         "stack+sum": lambda: torch.stack(xs).sum(0),
         "tree_reduce": lambda: ops.tree_reduce(xs, out=out),
         "accumulate_n": lambda: ops.accumulate_n(xs, out=out),
+        "hash_tensors": lambda: ops.hash_tensors(xs),
     }
 
 
@@ -161,7 +165,7 @@ def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, 
             roof[size] = max(roof.get(size, 0.0), 2 * nbytes / t["copy"] / 1e9)
             for name in METHODS:
                 rows.append({"threads": threads, "N": n, "elements": size, "method": name, "ms": t[name] * 1e3,
-                             "GB/s": (n + 1) * nbytes / t[name] / 1e9,
+                             "GB/s": (n + (name not in _READ_ONLY)) * nbytes / t[name] / 1e9,
                              "x loop": t["add_ loop"] / t[name]})
         del xs, out, src, dst, fns
     # The roofline of a (threads, size) is the best copy bandwidth measured there in this run (conservative:
@@ -171,7 +175,7 @@ def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, 
     rows.sort(key=lambda r: r["threads"])  # stable: one block of rows per thread count
     notes = [f"roofline (dst.copy_(src), 2*bytes/time) at {t} thread(s), {s} elements: {gb:.1f} GB/s"
              for t, per_size in roofline.items() for s, gb in per_size.items()]
-    notes.append("ms = median per call; GB/s = (N+1)*bytes/time; % roof = 100 * that / the best copy GB/s at "
+    notes.append("ms = median per call; GB/s = (N+1)*bytes/time (hash_tensors: N*bytes/time); % roof = 100 * that / the best copy GB/s at "
                  "that size and thread count in this run; x loop = the add_ loop's time at the same thread count "
                  "/ the method's")
     meta = {
