@@ -155,6 +155,7 @@ def _modules() -> dict[str, bool]:
         "torchstrategies.strategies",
         "torchstrategies.parameter_server",
         "torchstrategies.nn",
+        "torchstrategies.cluster_resolver",
         "torchstrategies.checkpoint",
         "torchstrategies.bench.kernels",
         "torchstrategies.bench.allreduce",
