@@ -327,13 +327,12 @@ def test_rendezvous_refuses_an_entry_older_than_the_tasks_counter_or_one_already
     import datetime
 
     import torch.distributed as dist
-    from harness import free_port
 
     from torchstrategies.errors import UnavailableError
     from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, entry_key, publish
 
     auth = JobAuth(SECRET.encode())
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=10),
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     reader = EntryReader(store, auth)
     first = publish(store, auth, "worker", 1, "127.0.0.1:1000", "a")
@@ -379,7 +378,6 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     import datetime
 
     import torch.distributed as dist
-    from harness import free_port
 
     from torchstrategies.errors import UnavailableError
     from torchstrategies.parameter_server import Server
@@ -391,8 +389,8 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)
     for k, v in job.items():
         monkeypatch.setenv(k, v)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    port = store.port  # bound by the store itself: no other process can take it in between
     spec = {"chief": [f"127.0.0.1:{port}"], "ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     resolver = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="ps", task_id=0)
     server = Server(resolver, timeout=5, lease_timeout=30)
