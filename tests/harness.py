@@ -13,10 +13,11 @@ MASTER_ADDR / MASTER_PORT set (as torchrun would) and, unless ``init_process_gro
 process group already initialized. The rendezvous store is hosted here, in the test's process, as
 torchrun's agent hosts it (:class:`Rendezvous`): the store binds port 0 itself and its port is handed on
 as MASTER_PORT, so no other process on a busy machine can take the port between its choice and its bind
-(``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, connects to it as a client). The function's return values come back in rank order. If any rank
-raises, the test fails with that rank's traceback; if the ranks do not all finish within ``timeout``
-seconds, every rank is killed and the test fails naming the ranks that were still running. No rank is
-ever left behind.
+(``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, connects to it as a client).
+
+The function's return values come back in rank order. If any rank raises, the test fails with that
+rank's traceback; if the ranks do not all finish within ``timeout`` seconds, every rank is killed and
+the test fails naming the ranks that were still running. No rank is ever left behind.
 """
 
 from __future__ import annotations

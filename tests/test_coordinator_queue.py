@@ -140,6 +140,7 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
     import datetime
 
     import torch.distributed as dist
+
     import torchstrategies as ts
     from torchstrategies.parameter_server import Server
 
