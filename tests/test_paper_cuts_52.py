@@ -65,3 +65,41 @@ def test_the_accelerate_route_runs_one_process_under_plain_python_as_accelerator
                        env=_clean_env(), cwd=ROOT, timeout=110)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "torch.Size([1, 1])" in p.stdout
+
+
+# ---------------------------------------------------------------- 6. --help imports no torch
+@pytest.mark.parametrize("args", [["--help"], ["bench", "kernels", "--help"], ["demo", "--help"], ["--version"],
+                                  ["bench", "kernels", "--no-such-option"]])
+def test_the_command_lines_help_and_usage_errors_import_no_torch(args):
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchstrategies", *args], capture_output=True,
+                       text=True, env=_clean_env(), cwd=ROOT, timeout=120)
+    assert p.returncode == (2 if "--no-such-option" in args else 0), p.stdout + p.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "torchstrategies.cli" in imported and "click" in imported
+    assert "torch" not in imported, sorted(m for m in imported if m.startswith("torch"))
+
+
+@pytest.mark.timeout(150)
+def test_a_command_that_runs_loads_the_api_and_torch():
+    p = subprocess.run([sys.executable, "-m", "torchstrategies", "env", "--json", "-"], capture_output=True,
+                       text=True, env=_clean_env(), cwd=ROOT, timeout=140)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert '"accumulate_n"' in p.stdout or "accumulate_n" in p.stdout
+
+
+@pytest.mark.parametrize("argv,cli", [
+    (["python", "-m", "torchstrategies", "--help"], True),
+    (["python", "-X", "importtime", "-u", "-m", "torchstrategies"], True),
+    (["python", "-mtorchstrategies", "env"], True),
+    (["/venv/bin/python", "/venv/bin/torchstrategies", "bench", "kernels"], True),
+    (["python", "-m", "torchstrategies.bench.allreduce_worker"], False),
+    (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "torchstrategies"], False),
+    (["python", "-c", "import torchstrategies"], False),
+    (["python", "train.py"], False),
+    (["python", "-W", "error", "train.py"], False),
+    (["python"], False),
+])
+def test_only_the_command_line_itself_starts_without_the_api(argv, cli):
+    from torchstrategies._startup import cli_is_starting
+
+    assert cli_is_starting(argv) is cli

@@ -8,51 +8,41 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torchstrategies import _logging  # noqa: F401  (sets up the "torchstrategies" logger)
-from torchstrategies import _ext  # noqa: F401  (fails with build instructions if _C is missing)
-from torchstrategies import cluster_resolver, errors, ops
-from torchstrategies.aggregation import AggregationMethod, aggregate
-from torchstrategies.reduce_op import ReduceOp
+from torchstrategies._startup import cli_is_starting
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AggregationMethod",
-    "ReduceOp",
-    "aggregate",
-    "cluster_resolver",
-    "errors",
-    "ops",
-    "__version__",
-]
-from torchstrategies import distribute  # noqa: E402
-from torchstrategies.distribute import *  # noqa: E402, F403  (the tf.distribute names, listed once there)
+if TYPE_CHECKING:
+    from torchstrategies._api import *  # noqa: F403
+    from torchstrategies.distribute import *  # noqa: F403  (mypy cannot follow _api's `*distribute.__all__`)
 
-__all__ += ["distribute", *distribute.__all__]
-from torchstrategies.strategies import (  # noqa: E402
-    CentralStorageStrategy,
-    MirroredStrategy,
-    OneDeviceStrategy,
-)
 
-__all__ += ["CentralStorageStrategy", "MirroredStrategy", "OneDeviceStrategy"]
-from torchstrategies import collectives  # noqa: E402
-from torchstrategies.collectives.options import CommunicationImplementation, CommunicationOptions  # noqa: E402
+def load_api() -> None:
+    """Puts the public API (``torchstrategies._api.__all__``) in this package; ``import torchstrategies``
+    calls it, except while the command line starts (``_startup``: ``torchstrategies --help`` imports no
+    torch), whose commands call it before they run. Idempotent."""
+    from torchstrategies import _api
 
-__all__ += ["CommunicationImplementation", "CommunicationOptions", "collectives"]
-from torchstrategies import checkpoint  # noqa: E402
-from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy  # noqa: E402
+    names = globals()
+    names.update({name: getattr(_api, name) for name in _api.__all__})
+    names["__all__"] = ["__version__", *_api.__all__]
 
-__all__ += ["MultiWorkerMirroredStrategy", "checkpoint"]
 
-# ParameterServerStrategy (issue 6): ts.ParameterServerStrategy, ts.coordinator, ts.partitioners.
-from torchstrategies import coordinator, partitioners  # noqa: E402
-from torchstrategies.parameter_server import ParameterServerStrategy, Server  # noqa: E402
+if not TYPE_CHECKING:  # (mypy reads the names from _api above)
 
-distribute.Server = Server  # type: ignore[attr-defined]  # ts.distribute.Server (TF's tf.distribute.Server): what ps and worker tasks run
-__all__ += ["ParameterServerStrategy", "coordinator", "partitioners"]
+    def __getattr__(name: str) -> Any:
+        """A public name not loaded yet (the command line started without the API) loads it."""
+        if name.startswith("_"):
+            raise AttributeError(f"module 'torchstrategies' has no attribute {name!r}")
+        load_api()
+        try:
+            return globals()[name]
+        except KeyError:
+            raise AttributeError(f"module 'torchstrategies' has no attribute {name!r}") from None
 
-# ts.nn (issue 12): SyncBatchNorm over the replicas of the current strategy.
-from torchstrategies import nn  # noqa: E402
 
-__all__ += ["nn"]
+if not cli_is_starting():
+    load_api()

@@ -9,8 +9,9 @@ Built on click (subcommands, options, help text) with rich for tables and progre
     torchstrategies compare                   # which kernel / all-reduce to use for which size
     torchstrategies demo [--fast]             # what `make demo` runs
 
-Every command imports what it needs when it runs; a command whose module is not in this build stops
-with ``Error: not available in this build: <module>`` (exit status 1).
+Every command imports what it needs when it runs (``--help`` imports no torch: ``_common.ApiCommand``); a
+command whose module is not in this build stops with ``Error: not available in this build: <module>``
+(exit status 1).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import click
 
 from torchstrategies import __version__
+from torchstrategies.cli._common import ApiGroup
 from torchstrategies.cli.bench_cmds import bench
 from torchstrategies.cli.compare import compare
 from torchstrategies.cli.env_cmd import env
@@ -25,7 +27,7 @@ from torchstrategies.cli.env_cmd import env
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ApiGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="torchstrategies")
 def main() -> None:
     """torchstrategies: tf.distribute strategies for PyTorch."""

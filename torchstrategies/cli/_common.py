@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from torchstrategies.bench.report import BenchResult
 
 __all__ = [
+    "ApiCommand",
+    "ApiGroup",
     "NotAvailable",
     "load_module",
     "module_available",
@@ -55,6 +57,25 @@ SIZE_UNITS = {
     "gib": 1 << 30,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ApiCommand(click.Command):
+    """A command that runs with the package's public API (and torch) loaded: ``torchstrategies --help``,
+    ``... bench kernels --help`` and usage errors exit while the arguments are parsed, before this, so they
+    never import torch (``torchstrategies._startup``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        import torchstrategies
+
+        torchstrategies.load_api()
+        return super().invoke(ctx)
+
+
+class ApiGroup(click.Group):
+    """A group whose commands (and subgroups' commands) are :class:`ApiCommand`."""
+
+    command_class = ApiCommand
+    group_class = type  # a subgroup is an ApiGroup too
 
 
 class NotAvailable(click.ClickException):

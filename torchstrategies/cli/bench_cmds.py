@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from torchstrategies.cli._common import (
+    ApiGroup,
     NotAvailable,
     call_with_supported,
     count_option,
@@ -107,7 +108,7 @@ def _run_and_emit(
     emit_result(result, module, p["json_path"], p["plot_path"], p["markdown"])
 
 
-@click.group()
+@click.group(cls=ApiGroup)
 def bench() -> None:
     """Benchmarks: kernels, all-reduce implementations, training throughput."""
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import click
 
 from torchstrategies.cli._common import (
+    ApiCommand,
     NotAvailable,
     count_option,
     module_available,
@@ -170,7 +171,7 @@ def _sources(
     return sources, skipped
 
 
-@click.command()
+@click.command(cls=ApiCommand)
 @nproc_option("Ranks for the all-reduce run.", minimum=2)
 @count_option("--n", "n", "Tensors summed by the kernels (repeat).", multiple=True)
 @sizes_option("--kernel-size", "kernel_sizes", "Elements per tensor for the kernels (repeat), e.g. 64K, 16M.")

@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+from torchstrategies.cli._common import ApiCommand
+
 __all__ = ["env", "render"]
 
 
@@ -74,7 +76,7 @@ def render(info: dict[str, Any]) -> None:
     Console().print(t)
 
 
-@click.command()
+@click.command(cls=ApiCommand)
 @click.option(
     "--json",
     "json_path",
