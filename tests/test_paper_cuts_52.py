@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,23 @@ def test_only_the_command_line_itself_starts_without_the_api(argv, cli):
     from torchstrategies._startup import cli_is_starting
 
     assert cli_is_starting(argv) is cli
+
+
+# ---------------------------------------------------------------- 3. tables in a file or a pipe
+def test_a_table_printed_to_a_file_keeps_every_row_on_one_line_and_uses_the_terminal_width_only_on_one():
+    from rich.console import Console
+
+    from torchstrategies.bench.report import BenchResult
+
+    r = BenchResult("kernels", ["threads", "N", "elements", "method", "median (ms)", "% of copy roofline"],
+                    rows=[{"threads": 1, "N": 8, "elements": 16777216, "method": "accumulate_n (fused, one pass)",
+                           "median (ms)": 17.15, "% of copy roofline": 96.0}])
+    to_file = io.StringIO()
+    r.print(Console(file=to_file, width=40))  # what rich assumes for a pipe: a width that is not there
+    row = [ln for ln in to_file.getvalue().splitlines() if "accumulate_n" in ln]
+    assert len(row) == 1 and "accumulate_n (fused, one pass)" in row[0] and "17.15" in row[0], to_file.getvalue()
+    assert not set("│┃━─┏┡└") & set(to_file.getvalue())  # a plain layout: no box drawing in a file
+    on_terminal = io.StringIO()
+    r.print(Console(file=on_terminal, width=40, force_terminal=True))
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", on_terminal.getvalue())  # without the colour codes
+    assert max(len(ln) for ln in shown.splitlines()) <= 40  # fitted to the terminal

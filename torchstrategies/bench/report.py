@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
-__all__ = ["BenchResult", "median", "progress", "bar_chart"]
+__all__ = ["BenchResult", "median", "progress", "bar_chart", "print_table"]
 
 T = TypeVar("T")
 
@@ -74,9 +75,9 @@ class BenchResult:
             table.add_column(Text(c), justify="right" if numeric else "left", overflow="fold")  # never "…"
         for row in self.rows:  # Text(): brackets in cells and notes are text, not rich markup
             table.add_row(*(Text(_fmt(row.get(c, ""))) for c in self.columns))
-        console.print(table)
+        print_table(table, console)
         for note in self.notes:
-            console.print(Text(str(note)))
+            console.print(Text(str(note)), soft_wrap=not console.is_terminal)
 
     def markdown(self) -> str:
         """The table as GitHub Markdown, for the README and docs."""
@@ -84,6 +85,28 @@ class BenchResult:
         for row in self.rows:
             lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in self.columns) + " |")
         return "\n".join(lines)
+
+
+def print_table(table: Table, console: Console | None = None) -> None:
+    """Prints a rich table: fitted to the terminal's width on a terminal; otherwise (a file, a pipe, ``| tee``)
+    in a plain layout, columns separated by spaces and every row on one line, however wide, since there is no
+    terminal width to fit (``--markdown`` prints the Markdown table as well)."""
+    from rich.console import Console
+
+    console = console or Console()
+    if console.is_terminal:
+        console.print(table)
+        return
+    table.box = None
+    table.pad_edge = False
+    table.collapse_padding = True
+    narrow = console.width
+    console.width = 1 << 16
+    try:
+        console.width = max(narrow, console.measure(table).maximum)
+        console.print(table)
+    finally:
+        console.width = narrow
 
 
 def _fmt(v: object) -> str:

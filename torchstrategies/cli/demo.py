@@ -243,7 +243,7 @@ def run(fast: bool = False, out_dir: str = "demo-results", timeout: float | None
     from torchstrategies.cli._common import module_available
     from torchstrategies.cli.bench_cmds import BENCH_MODULES
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console()
     timeout = timeout or (180.0 if fast else 900.0)
     os.makedirs(out_dir, exist_ok=True)
     outcomes: list[Outcome] = []
