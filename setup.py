@@ -14,6 +14,10 @@ thread split (ATen/ParallelOpenMP.h) exists only when ``_OPENMP`` is defined, so
 ``at::parallel_for`` in the extension runs on the calling thread. Nothing links an OpenMP runtime of its
 own: the ``GOMP_*`` / ``omp_*`` symbols resolve to the libgomp torch already loaded, so the split uses
 torch's intra-op pool and follows ``torch.set_num_threads``.
+
+The build says once that it is compiling and about how long it takes, and keeps the compiler's output in
+``build/extension-build.log``, shown if it fails (``build_quiet.py``; ``TORCHSTRATEGIES_BUILD_VERBOSE=1``
+shows it all). ninja still rebuilds only what changed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+from build_quiet import estimate_minutes, out_of_date, quiet_build  # noqa: E402
+
+LOG = os.path.join("build", "extension-build.log")
 
 
 def _want_cuda() -> bool:
@@ -95,7 +103,27 @@ def _wanted_extensions() -> list:
     return extensions()
 
 
+class QuietBuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension (ninja), saying once what it compiles and keeping the compiler's lines in LOG."""
+
+    def build_extension(self, ext) -> None:
+        target = self.get_ext_fullpath(ext.name)
+        inputs = [os.path.join(ROOT, s) for s in ext.sources] + glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"),
+                                                                           recursive=True)
+        if not out_of_date(target, inputs):
+            return super().build_extension(ext)  # ninja finds nothing to do
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        jobs = int(os.environ.get("MAX_JOBS") or cores)  # what torch's ninja build runs at once
+        if os.path.exists(target):
+            message = "rebuilding the C++ extension (only the files that changed)"
+        else:
+            message = (f"compiling the C++ extension (about {estimate_minutes(len(ext.sources), jobs)} minutes: "
+                       f"{len(ext.sources)} files on {jobs} cores)")
+        with quiet_build(message, os.path.join(ROOT, LOG)):
+            super().build_extension(ext)
+
+
 setup(
     ext_modules=_wanted_extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": QuietBuildExtension.with_options(use_ninja=True)},
 )

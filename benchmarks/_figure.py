@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -18,17 +17,11 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _machine() -> str:
-    from torchstrategies.env_info import cpu_model
-
-    return f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
-
-
 def record(name: str, args: list[str], stem: str | None = None) -> Path:
     """Runs ``torchstrategies bench <name> <args> --json results/<file>.json`` and redraws its plot
     ``results/<file>.png`` with the record (command, UTC date, machine, 1-minute load) in the title;
     ``<file>`` is ``stem``, else the bench's name."""
-    from torchstrategies.bench.report import BenchResult
+    from torchstrategies.bench.report import BenchResult, stamp
     from torchstrategies.cli._common import load_module
     from torchstrategies.cli.bench_cmds import BENCH_MODULES
 
@@ -39,13 +32,8 @@ def record(name: str, args: list[str], stem: str | None = None) -> Path:
     load_before = os.getloadavg()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
     subprocess.run([sys.executable, "-m", *command, "--json", str(json_path)], check=True)
-    load_after = os.getloadavg()[0]
     result = BenchResult.from_dict(json.loads(json_path.read_text()))
-    record = {"command": shlex.join(command), "date_utc": started.strftime("%Y-%m-%d %H:%M"),
-              "machine": _machine(), "load_1min_start": round(load_before, 2), "load_1min_end": round(load_after, 2)}
-    result.meta["recorded"] = record
-    result.title += (f"\nrecorded {record['date_utc']} UTC on {record['machine']}, 1-min load "
-                     f"{load_before:.1f} -> {load_after:.1f}")
+    stamp(result, shlex.join(command), started, load_before)
     result.write_json(str(json_path))
     load_module(BENCH_MODULES[name]).plot(result, str(png_path))
     print(f"{json_path}\n{png_path}")

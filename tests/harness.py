@@ -10,10 +10,14 @@
 
 Each rank is a fresh ``spawn`` process with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT set (as torchrun would) and, unless ``init_process_group=False``, a gloo
-process group already initialized. The function's return values come back in rank order. If any rank
-raises, the test fails with that rank's traceback; if the ranks do not all finish within ``timeout``
-seconds, every rank is killed and the test fails naming the ranks that were still running. No rank is
-ever left behind.
+process group already initialized. The rendezvous store is hosted here, in the test's process, as
+torchrun's agent hosts it (:class:`Rendezvous`): the store binds port 0 itself and its port is handed on
+as MASTER_PORT, so no other process on a busy machine can take the port between its choice and its bind
+(``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, connects to it as a client).
+
+The function's return values come back in rank order. If any rank raises, the test fails with that
+rank's traceback; if the ranks do not all finish within ``timeout`` seconds, every rank is killed and
+the test fails naming the ranks that were still running. No rank is ever left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["run_ranks", "free_port", "RankFailure"]
+__all__ = ["run_ranks", "free_port", "Rendezvous", "RankFailure"]
 
 
 class RankFailure(AssertionError):
@@ -36,9 +40,47 @@ class RankFailure(AssertionError):
 
 
 def free_port() -> int:
+    """A port nobody listens on right now: only for an address that must NOT answer (a store to host, use
+    :class:`Rendezvous` or ``TCPStore(port=0)`` and its ``.port``: a port chosen here and bound later can
+    be taken by another process in between)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Rendezvous:
+    """A job's rendezvous store, hosted in this process as torchrun's agent hosts it.
+
+    ``TCPStore(port=0)``: the store binds a port the kernel picks, and :attr:`port` hands it on. ``env()``
+    is what each rank needs to connect to it (MASTER_ADDR / MASTER_PORT, and torchrun's
+    ``TORCHELASTIC_USE_AGENT_STORE``, which ``init_process_group("env://")``, MultiWorkerMirroredStrategy
+    and the parameter server's rendezvous honour by connecting as clients). A test that launches its own
+    processes, or needs the port in another variable (TF_CONFIG, SLURM's), makes one and passes it to
+    :func:`run_ranks`::
+
+        with Rendezvous() as rdzv:
+            run_ranks(fn, 4, rendezvous=rdzv, env_per_rank=lambda r: {"TF_CONFIG": config(rdzv.port, r)})
+    """
+
+    def __init__(self, timeout: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout),
+                                   wait_for_workers=False)
+        self.port: int = self.store.port
+
+    def env(self) -> dict[str, str]:
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0"}
+
+    def close(self) -> None:
+        self.store = None  # type: ignore[assignment]  # the last reference: the server stops
+
+    def __enter__(self) -> Rendezvous:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _entry(fn, rank, world_size, args, env, init_pg, pg_timeout, q):
@@ -79,6 +121,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     env_per_rank: Callable[[int], dict[str, str]] | None = None,
     expect_failure: Sequence[int] = (),
+    rendezvous: Rendezvous | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns results by rank.
 
@@ -93,13 +136,25 @@ def run_ranks(
         env_per_rank: a function giving extra environment variables per rank.
         expect_failure: ranks allowed to die or raise (fault-injection tests); their result is the
             error text, or None if they died without reporting.
+        rendezvous: the store the ranks meet at (None: a new :class:`Rendezvous`, closed at the end).
 
     Raises:
         RankFailure: a rank raised or died unexpectedly, or the run passed ``timeout``.
     """
+    own = rendezvous is None
+    rdzv = Rendezvous(timeout=max(timeout, pg_timeout) + 60) if rendezvous is None else rendezvous
+    try:
+        return _run(fn, world_size, args, timeout, init_process_group, pg_timeout, env, env_per_rank,
+                    expect_failure, rdzv)
+    finally:
+        if own:
+            rdzv.close()
+
+
+def _run(fn, world_size, args, timeout, init_process_group, pg_timeout, env, env_per_rank, expect_failure,
+         rdzv: Rendezvous) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
     procs = []
     for rank in range(world_size):
         e = {
@@ -108,8 +163,7 @@ def run_ranks(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **rdzv.env(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
         e.update(env or {})

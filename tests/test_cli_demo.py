@@ -1,4 +1,5 @@
-"""``make demo`` (``torchstrategies demo``): RESULT parsing, the subprocess/torchrun runner, end to end."""
+"""``make demo`` (``torchstrategies demo``): the examples' result files, the subprocess/torchrun runner, end to
+end."""
 
 from __future__ import annotations
 
@@ -17,26 +18,27 @@ from torchstrategies.cli import demo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_parse_result_line_takes_the_last_result_line():
-    out = (
-        'noise\nRESULT {"strategy": "A", "accuracy": 0.5, "samples_per_sec": 1}\nRESULT {"strategy": "B", '
-        '"accuracy": 0.97, "samples_per_sec": 1234.5}\n'
-    )
-    assert demo.parse_result_line(out) == {"strategy": "B", "accuracy": 0.97, "samples_per_sec": 1234.5}
+def test_read_result_reads_what_the_example_wrote(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text('{"strategy": "B", "accuracy": 0.9756, "samples_per_sec": 1234.5}')
+    assert demo.read_result(str(path)) == {"strategy": "B", "accuracy": 0.9756, "samples_per_sec": 1234.5}
 
 
 @pytest.mark.parametrize(
-    "out,match",
+    "text,match",
     [
-        ("all good\n", "no line starting with 'RESULT '"),
-        ("RESULT {not json}\n", "not JSON"),
-        ("RESULT [1, 2]\n", "JSON object"),
-        ('RESULT {"strategy": "A", "accuracy": 0.9}\n', r"lacks \['samples_per_sec'\]"),
+        (None, "wrote no result"),
+        ("{not json}", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"strategy": "A", "accuracy": 0.9}', r"lacks \['samples_per_sec'\]"),
     ],
 )
-def test_parse_result_line_rejects_bad_output_saying_why(out, match):
+def test_read_result_rejects_a_bad_result_saying_why(tmp_path, text, match):
+    path = tmp_path / "r.json"
+    if text is not None:
+        path.write_text(text)
     with pytest.raises(ValueError, match=match):
-        demo.parse_result_line(out)
+        demo.read_result(str(path))
 
 
 def _script(path: Path, body: str) -> None:
@@ -46,18 +48,20 @@ def _script(path: Path, body: str) -> None:
 GOOD_TORCHRUN = """
     import json, os, sys
     assert os.environ["WORLD_SIZE"] == "2", os.environ["WORLD_SIZE"]
-    assert sys.argv[1:] == ["--fast"], sys.argv
+    assert sys.argv[1:3] == ["--fast", "--result-json"], sys.argv
     print("rank", os.environ["RANK"], "training")
     if os.environ["RANK"] == "0":
-        print("RESULT " + json.dumps({"strategy": "MultiWorkerMirroredStrategy", "accuracy": 0.97,
-                                      "samples_per_sec": 5000.0}))
+        print("held-out accuracy 0.9756")
+        with open(sys.argv[3], "w") as f:
+            json.dump({"strategy": "MultiWorkerMirroredStrategy", "accuracy": 0.9756, "samples_per_sec": 5000.0}, f)
 """
 GOOD_PLAIN = """
     import json, os, sys
-    assert "RANK" not in os.environ and sys.argv[1:] == ["--fast"]
+    assert "RANK" not in os.environ and sys.argv[1:3] == ["--fast", "--result-json"]
     import torchstrategies  # importable from the source tree (PYTHONPATH set by the demo)
     result = {"strategy": "MirroredStrategy", "accuracy": 0.96, "samples_per_sec": 800.0}
-    print("RESULT " + json.dumps(result))
+    with open(sys.argv[3], "w") as f:
+        json.dump(result, f)
 """
 
 
@@ -76,23 +80,31 @@ def test_demo_runs_examples_reports_missing_ones_and_compares_kernels(monkeypatc
     assert code == 0, printed
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [(r["strategy"], r["accuracy"], r["samples/s"], r["status"]) for r in rows] == [
-        ("MultiWorkerMirroredStrategy", 0.97, 5000.0, "ok"),
+        ("MultiWorkerMirroredStrategy", 0.9756, 5000.0, "ok"),
         ("MirroredStrategy", 0.96, 800.0, "ok"),
         ("ParameterServerStrategy", "", "", "not available yet"),
     ]
     assert "not available yet" in printed
+    # Issue 52: what a person reads has no machine-readable lines, and the summary rounds as the example did.
+    assert "RESULT" not in printed and "{" not in printed.split("Summary")[0], printed
+    summary_row = next(ln for ln in printed.splitlines() if ln.startswith("MultiWorkerMirroredStrategy"))
+    assert "0.9756" in summary_row and "0.98 " not in summary_row, summary_row
     # Then the kernel comparison: tiny sizes in fast mode, its table, advice and a PNG path.
     assert calls["kernels"][0]["ns"] == [2, 8] and calls["kernels"][0]["repeats"] == 3
     assert "accumulate_n" in printed and "Which to use" in printed
     assert (out / "kernels.png").read_bytes()[:4] == b"\x89PNG"
     assert str((out / "kernels.png").resolve()) in printed.replace("\n", "")
+    # The kernel plot is stamped like the figures of benchmarks/ (its title holds the record).
+    kernels = json.loads((out / "kernels.json").read_text())
+    assert set(kernels["meta"]["recorded"]) == {"command", "date_utc", "machine", "load_1min_start", "load_1min_end"}
+    assert "UTC on" in kernels["title"] and "1-min load" in kernels["title"]
 
 
 @pytest.mark.parametrize(
     "body,status_text",
     [
         ("import sys\nprint('partial work')\nsys.exit(3)\n", "exit status 3"),
-        ("print('trained, but forgot the result line')\n", "no line starting with 'RESULT '"),
+        ("print('trained, but forgot the result')\n", "wrote no result"),
     ],
 )
 def test_a_failing_example_is_reported_with_its_output(monkeypatch, tmp_path, body, status_text):

@@ -230,9 +230,10 @@ def _mwms_on(rank: int, world: int, launcher: str, port: int) -> float:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launcher", ["slurm", "kubernetes"])
 def test_multi_worker_strategy_trains_under_a_simulated_launch(launcher):
-    from harness import free_port, run_ranks
+    from harness import Rendezvous, run_ranks
 
-    port = free_port()
+    rdzv = Rendezvous()  # the store binds port 0 and hands its port on: no other process can take it first
+    port = rdzv.port
 
     def env(rank: int) -> dict[str, str]:
         if launcher == "slurm":
@@ -242,6 +243,7 @@ def test_multi_worker_strategy_trains_under_a_simulated_launch(launcher):
                 "MASTER_PORT": str(port)}
 
     clear = {"RANK": "", "MASTER_ADDR": "127.0.0.1" if launcher == "kubernetes" else ""}
-    out = run_ranks(_mwms_on, 2, args=(launcher, port), init_process_group=False, timeout=110,
-                    env=clear, env_per_rank=env)
+    with rdzv:
+        out = run_ranks(_mwms_on, 2, args=(launcher, port), init_process_group=False, timeout=110,
+                        env=clear, env_per_rank=env, rendezvous=rdzv)
     assert out == [3.0, 3.0]

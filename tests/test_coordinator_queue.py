@@ -140,13 +140,12 @@ def _in_process_server(task_type, lease_timeout, timeout=5.0):
     import datetime
 
     import torch.distributed as dist
-    from harness import free_port
 
     import torchstrategies as ts
     from torchstrategies.parameter_server import Server
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 3, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    port = store.port  # bound by the store itself: no other process can take it in between
     spec = {"chief": [f"127.0.0.1:{port}"], "ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     resolver = ts.cluster_resolver.SimpleClusterResolver(spec, task_type=task_type, task_id=0)
     return store, Server(resolver, timeout=timeout, lease_timeout=lease_timeout)

@@ -183,3 +183,150 @@ def test_block_extraction_follows_the_rules(tmp_path):
         (13, "x = 1\n", 0, (), DEFAULT_TIMEOUT),
     ]
     assert _available("torchstrategies.ops.accumulate_n") and not _available("torchstrategies.Nope")
+
+
+# ---------------------------------------------------------------- the shell commands the docs give (issue 52)
+# A ```bash block is not executed as a whole (it may train for minutes or need hosts), but its commands are
+# walked: each runs as written in a new shell of a clean clone after `make demo` / `make build`.
+_SHELL_LANGS = ("bash", "sh", "shell")
+# Commands that exist only in the project's environment (.venv, which make sets up, or your own after pip).
+_NEEDS_ENV = ("torchstrategies", "python", "torchrun", "pytest")
+ACTIVATE = "source .venv/bin/activate"
+# Documented commands cheap enough to run for real in the walk (the rest are parsed against the CLI).
+_RUN_FOR_REAL = (("--help",), ("env",), ("env", "--json", "-"))
+
+
+@dataclass
+class ShellCommand:
+    where: str  # file:line of the block
+    argv: list[str]  # the command, without VAR=value prefixes
+    env_ready: bool  # an earlier command of the block activates .venv (or installs into the current env)
+    earlier: str = ""  # the block's commands before this one
+
+
+def command_files() -> list[Path]:
+    return [*doc_files(), ROOT / "benchmarks" / "README.md"]
+
+
+def shell_commands(path: Path) -> list[ShellCommand]:
+    """The commands of every shell block of ``path``: continuation lines joined, comments dropped, split at
+    ``;``, ``&&``, ``||`` and ``|``, shell keywords (``for ... do``, ``done``) and ``VAR=value`` prefixes
+    left out."""
+    import shlex
+
+    out: list[ShellCommand] = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = _FENCE.match(line)
+        if not m or m.group(3).lower() not in _SHELL_LANGS:
+            continue
+        body = []
+        for following in lines[i + 1 :]:
+            if _FENCE.match(following):
+                break
+            body.append(following)
+        text = "\n".join(body).replace("\\\n", " ")
+        ready, earlier = False, ""
+        for raw in text.splitlines():
+            words = shlex.split(raw, comments=True)
+            command: list[str] = []
+            for word in [*words, ";"]:
+                if word in (";", "&&", "||", "|"):
+                    while command and (re.match(r"^\w+=", command[0]) or command[0] in ("do", "then", "done")):
+                        command = command[1:]
+                    if command and command[0] not in ("for", "if", "while"):
+                        out.append(ShellCommand(f"{path.relative_to(ROOT)}:{i + 1}", command, ready, earlier))
+                        ready = ready or " ".join(command) == ACTIVATE or command[:2] == ["pip", "install"]
+                        earlier += " ".join(command) + "\n"
+                    command = []
+                else:
+                    command.append(word)
+    return out
+
+
+ALL_COMMANDS = [c for p in command_files() for c in shell_commands(p)]
+CLI_COMMANDS = [c for c in ALL_COMMANDS if Path(c.argv[0]).name == "torchstrategies"]
+
+
+def test_the_docs_give_cli_commands_to_walk():
+    assert len(CLI_COMMANDS) >= 20 and any(c.argv[1:] == ["env"] for c in CLI_COMMANDS)
+
+
+def test_every_documented_command_says_how_a_new_shell_finds_it():
+    """After `make demo`, a new shell has no `torchstrategies` (nor the venv's python) on PATH: every block
+    that runs one first activates .venv (or installs into the current environment with pip)."""
+    unready = [f"{c.where}: {' '.join(c.argv)}" for c in ALL_COMMANDS
+               if c.argv[0] in _NEEDS_ENV and not c.env_ready]
+    assert not unready, f"put `{ACTIVATE}` first in these blocks:\n" + "\n".join(unready)
+
+
+def _parse_cli(argv: list[str]) -> None:
+    """Parses ``argv`` (after the program name) as the CLI would, without running the command."""
+    import warnings
+
+    import click
+
+    from torchstrategies.cli import main
+
+    ctx = main.make_context("torchstrategies", list(argv))
+    command: click.Command = main
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # click 8.2+: protected_args, until click 9
+        while isinstance(command, click.Group) and (ctx.protected_args or ctx.args):
+            _, sub, rest = command.resolve_command(ctx, [*ctx.protected_args, *ctx.args])
+            assert sub is not None
+            ctx = sub.make_context(sub.name, rest, parent=ctx)
+            command = sub
+
+
+@pytest.mark.parametrize("command", CLI_COMMANDS, ids=[f"{c.where} {' '.join(c.argv[1:])}" for c in CLI_COMMANDS])
+def test_every_documented_cli_command_parses(command: ShellCommand):
+    import click
+
+    try:
+        _parse_cli(command.argv[1:])
+    except click.exceptions.Exit as done:  # --help, --version
+        assert done.exit_code == 0
+    except click.BadParameter as exc:
+        made = re.search(r"'([^']+)' does not exist", exc.format_message())
+        made_earlier = made and any(str(part) in command.earlier for part in Path(made.group(1)).parents
+                                    if len(part.parts) > 2)
+        if not made_earlier:
+            pytest.fail(f"{command.where}: `{' '.join(command.argv)}` is refused: {exc.format_message()}")
+        # else: a path an earlier command of the block makes (python3 -m venv /tmp/tfvenv, then its python)
+    except click.ClickException as exc:
+        pytest.fail(f"{command.where}: `{' '.join(command.argv)}` is refused: {exc.format_message()}")
+
+
+def test_the_files_documented_commands_write_are_where_git_ignores_them():
+    """A documented command run from the clone's root leaves nothing git would show (issue 52: kernels.json
+    and allreduce.json were left in the root)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = sorted({f"{c.where}: {c.argv[i + 1]}" for c in CLI_COMMANDS for i, a in enumerate(c.argv[:-1])
+                      if a in ("--json", "--plot", "--out") and c.argv[i + 1] != "-"})
+    assert written, "no documented command writes a file: the walk lost them"
+    shown = [w for w in written if subprocess.run(["git", "check-ignore", "-q", "--no-index", w.split(": ")[1]],
+                                                  cwd=ROOT).returncode != 0]
+    assert not shown, "these files would be left for git to show; write them under bench-results/:\n" + "\n".join(
+        shown)
+
+
+@pytest.mark.timeout(300)
+def test_the_cheap_documented_commands_run_as_written_in_a_new_shell():
+    """`source .venv/bin/activate` then the command, in a shell whose PATH has no venv, from the clone's root:
+    what a newcomer types after `make demo`."""
+    import subprocess
+
+    if not (ROOT / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("no .venv in this clone (made by `make demo` / `make test`)")
+    cheap = sorted({tuple(c.argv[1:]) for c in CLI_COMMANDS if tuple(c.argv[1:]) in _RUN_FOR_REAL})
+    assert cheap, "the docs lost their `torchstrategies env` line"
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8"}
+    for argv in cheap:
+        line = f"{ACTIVATE} && torchstrategies {' '.join(argv)}"
+        p = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert p.returncode == 0, f"`{line}` exited {p.returncode}:\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import free_port
+from harness import Rendezvous
 
 SECRET = "test-job-secret-0123456789abcdef"
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_small_job.py")
@@ -24,12 +24,11 @@ RUNS = int(os.environ.get("PS_EXIT_RUNS", "20"))
 
 def _run_job() -> list[tuple[int, list[str], str]]:
     """One job: ``(exit code, threads left at exit, output)`` per task, chief first."""
-    port = str(free_port())
+    rdzv = Rendezvous()  # hosted here, as torchrun's agent hosts it: the store binds its own port
     procs = []
     for rank in range(3):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="3",
-                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   TORCHSTRATEGIES_PS_SECRET=SECRET,
+                   GROUP_RANK="0", OMP_NUM_THREADS="1", TORCHSTRATEGIES_PS_SECRET=SECRET, **rdzv.env(),
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         procs.append(subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -44,6 +43,7 @@ def _run_job() -> list[tuple[int, list[str], str]]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        rdzv.close()
     return out
 
 

@@ -166,11 +166,12 @@ def _tf_config(port):
 
 @pytest.mark.timeout(150)
 def test_servers_exit_when_the_chief_crashes(tmp_path):
-    from harness import free_port
+    from harness import Rendezvous
 
     # Launched with TF_CONFIG (the chief's address is the rendezvous) instead of torchrun's variables.
-    results = run_ranks(_cluster, 4, args=(_chief_crashes, str(tmp_path), True), init_process_group=False,
-                        timeout=120, expect_failure=[0], env_per_rank=_tf_config(free_port()))
+    with Rendezvous() as rdzv:
+        results = run_ranks(_cluster, 4, args=(_chief_crashes, str(tmp_path), True), init_process_group=False,
+                            timeout=120, expect_failure=[0], env_per_rank=_tf_config(rdzv.port), rendezvous=rdzv)
     assert results[0] is None
     for status, message, _ in results[1:]:
         assert status == "unavailable" and "chief" in message

@@ -192,11 +192,22 @@ def test_huge_length_claims_allocate_nothing_and_are_rejected(attacked):
 def test_job_keeps_training_and_binds_only_its_own_address(attacked):
     assert attacked["weight"] == -4.0  # 4 steps, each applied once
     for task, addresses in attacked["listening"].items():
-        assert addresses and all(a == "127.0.0.1" for a in addresses), (task, addresses)
+        # The harness hosts the rendezvous store as torchrun's agent does, so the chief may listen on nothing;
+        # the store a chief hosts itself binds its own address only (the test below).
+        assert (addresses or task == "chief") and all(a == "127.0.0.1" for a in addresses), (task, addresses)
     assert "not signed" in attacked["tampered"] and "worker:0" in attacked["tampered"]
 
 
 # ---- the pieces on their own (fast, in this process) ---------------------------------------------------
+def test_a_store_the_chief_hosts_listens_on_its_own_address_only():
+    from torchstrategies.parameter_server.rpc.rendezvous import connect_store
+
+    store = connect_store("127.0.0.1", 0, True, 1, 10.0)  # port 0: bound by the listening socket itself
+    listening = {c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process(os.getpid()).net_connections(kind="tcp")
+                 if c.status == "LISTEN" and c.laddr.port == store.port}
+    assert listening == {"127.0.0.1"}
+
+
 def test_wire_rejects_inconsistent_lengths_before_allocating():
     ok = wire.encode(
         {"keys": ["1/0"], "blob": b"\x00\x01"}, [torch.arange(6, dtype=torch.float32).reshape(2, 3)]
@@ -327,13 +338,12 @@ def test_rendezvous_refuses_an_entry_older_than_the_tasks_counter_or_one_already
     import datetime
 
     import torch.distributed as dist
-    from harness import free_port
 
     from torchstrategies.errors import UnavailableError
     from torchstrategies.parameter_server.rpc.rendezvous import EntryReader, entry_key, publish
 
     auth = JobAuth(SECRET.encode())
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=10),
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     reader = EntryReader(store, auth)
     first = publish(store, auth, "worker", 1, "127.0.0.1:1000", "a")
@@ -379,7 +389,6 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     import datetime
 
     import torch.distributed as dist
-    from harness import free_port
 
     from torchstrategies.errors import UnavailableError
     from torchstrategies.parameter_server import Server
@@ -391,8 +400,8 @@ def test_mutual_tls_admits_the_jobs_certificates_only(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHSTRATEGIES_PS_SECRET", raising=False)
     for k, v in job.items():
         monkeypatch.setenv(k, v)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    port = store.port  # bound by the store itself: no other process can take it in between
     spec = {"chief": [f"127.0.0.1:{port}"], "ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     resolver = ts.cluster_resolver.SimpleClusterResolver(spec, task_type="ps", task_id=0)
     server = Server(resolver, timeout=5, lease_timeout=30)

@@ -15,18 +15,21 @@ computed before seeing the group:
 Neither library is patched, and nothing here is imported by the rest of torchstrategies. Lightning needs
 none of this: ``DDPStrategy(process_group_backend="torchstrategies")`` (docs/torch_distributed.md).
 Launch with torchrun (or ``accelerate launch``), which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+Under plain ``python`` (no launcher: neither RANK nor WORLD_SIZE set) both run as one process, as
+``Accelerator()`` and ``TrainingArguments`` do, and no process group is made.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch.distributed as dist
 
 from torchstrategies.collectives.backend import BACKEND
 
-__all__ = ["init_process_group", "accelerator", "training_arguments"]
+__all__ = ["init_process_group", "launched", "accelerator", "training_arguments"]
 
 
 def init_process_group(timeout_seconds: float | None = None) -> None:
@@ -51,6 +54,12 @@ def init_process_group(timeout_seconds: float | None = None) -> None:
                          "with torchrun or `accelerate launch`") from None
 
 
+def launched() -> bool:
+    """True when a launcher started this process (torchrun, ``accelerate launch``, a cluster's: RANK or
+    WORLD_SIZE is set); False under plain ``python``, where the routes below run one process."""
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
 def _report_our_backend() -> None:
     """Accelerate's shared state names the backend it chose before it saw our group: name the group's."""
     from accelerate.state import PartialState
@@ -71,6 +80,8 @@ def accelerator(**kwargs: Any) -> Any:
     """
     from accelerate import Accelerator
 
+    if not launched():
+        return Accelerator(**kwargs)  # one process, as Accelerator() runs under plain python
     init_process_group()
     acc = Accelerator(**kwargs)
     _report_our_backend()
@@ -90,6 +101,8 @@ def training_arguments(**kwargs: Any) -> Any:
     if asked not in (None, BACKEND):
         raise ValueError(f"training_arguments runs DDP on {BACKEND!r}; got ddp_backend={asked!r} "
                          "(use transformers.TrainingArguments directly for another backend)")
+    if not launched():
+        return TrainingArguments(**kwargs)  # one process, as TrainingArguments runs under plain python
     init_process_group(kwargs.get("ddp_timeout"))
     args = TrainingArguments(**kwargs)
     _ = args.device  # TrainingArguments sets up Accelerate's state here

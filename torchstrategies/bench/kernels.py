@@ -14,7 +14,8 @@ round so machine noise hits all alike:
 
 and the memory roofline of the same run, ``dst.copy_(src)`` at that size and thread count (the best of
 its rounds). Effective bandwidth counts each input read once and the output written once:
-``GB/s = (N + 1) * bytes / time`` (``hash_tensors``: ``N * bytes / time``); the roofline is ``2 * bytes / time`` of the copy.
+``GB/s = (N + 1) * bytes / time`` (``hash_tensors``, which writes no output: ``N * bytes / time``); the
+roofline is ``2 * bytes / time`` of the copy.
 
 Columns (short, so the table fits 80 characters): ``threads``; ``N``; ``elements``; ``method``; ``ms``, the
 median time per call; ``GB/s``; ``% roof``, the GB/s as a percentage of the copy roofline at the same size
@@ -175,7 +176,8 @@ def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, 
     rows.sort(key=lambda r: r["threads"])  # stable: one block of rows per thread count
     notes = [f"roofline (dst.copy_(src), 2*bytes/time) at {t} thread(s), {s} elements: {gb:.1f} GB/s"
              for t, per_size in roofline.items() for s, gb in per_size.items()]
-    notes.append("ms = median per call; GB/s = (N+1)*bytes/time (hash_tensors: N*bytes/time); % roof = 100 * that / the best copy GB/s at "
+    notes.append("ms = median per call; GB/s = (N+1)*bytes/time (hash_tensors: N*bytes/time); "
+                 "% roof = 100 * that / the best copy GB/s at "
                  "that size and thread count in this run; x loop = the add_ loop's time at the same thread count "
                  "/ the method's")
     meta = {

@@ -9,22 +9,28 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
-__all__ = ["BenchResult", "median", "progress", "bar_chart"]
+__all__ = ["BenchResult", "median", "progress", "bar_chart", "print_table", "machine", "stamp"]
 
 T = TypeVar("T")
 
 
 @dataclass
 class BenchResult:
-    """A benchmark's table: ``rows`` are dicts keyed by ``columns``; ``notes`` print under the table."""
+    """A benchmark's table: ``rows`` are dicts keyed by ``columns``; ``notes`` print under the table.
+    ``meta["formats"]`` may give a column its own format spec (``{"accuracy": ".4f"}``); other floats show
+    2 decimals (3 significant digits when very small or large)."""
 
     title: str
     columns: list[str]
@@ -73,17 +79,61 @@ class BenchResult:
             numeric = all(isinstance(r.get(c, ""), (int, float)) or r.get(c, "") == "" for r in self.rows)
             table.add_column(Text(c), justify="right" if numeric else "left", overflow="fold")  # never "…"
         for row in self.rows:  # Text(): brackets in cells and notes are text, not rich markup
-            table.add_row(*(Text(_fmt(row.get(c, ""))) for c in self.columns))
-        console.print(table)
+            table.add_row(*(Text(self._cell(row, c)) for c in self.columns))
+        print_table(table, console)
         for note in self.notes:
-            console.print(Text(str(note)))
+            console.print(Text(str(note)), soft_wrap=not console.is_terminal)
 
     def markdown(self) -> str:
         """The table as GitHub Markdown, for the README and docs."""
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         for row in self.rows:
-            lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in self.columns) + " |")
+            lines.append("| " + " | ".join(self._cell(row, c) for c in self.columns) + " |")
         return "\n".join(lines)
+
+    def _cell(self, row: dict[str, Any], column: str) -> str:
+        value, spec = row.get(column, ""), self.meta.get("formats", {}).get(column)
+        return format(value, spec) if spec and isinstance(value, (int, float)) else _fmt(value)
+
+
+def print_table(table: Table, console: Console | None = None) -> None:
+    """Prints a rich table: fitted to the terminal's width on a terminal; otherwise (a file, a pipe, ``| tee``)
+    in a plain layout, columns separated by spaces and every row on one line, however wide, since there is no
+    terminal width to fit (``--markdown`` prints the Markdown table as well)."""
+    from rich.console import Console
+
+    console = console or Console()
+    if console.is_terminal:
+        console.print(table)
+        return
+    table.box = None
+    table.pad_edge = False
+    table.collapse_padding = True
+    narrow = console.width
+    console.width = 1 << 16
+    try:
+        console.width = max(narrow, console.measure(table).maximum)
+        console.print(table)
+    finally:
+        console.width = narrow
+
+
+def machine() -> str:
+    """This machine in a few words, for a figure's record: CPU model and logical CPUs."""
+    from torchstrategies.env_info import cpu_model
+
+    return f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+
+
+def stamp(result: BenchResult, command: str, started: datetime.datetime, load_before: float) -> None:
+    """Records how ``result`` was made, in ``meta["recorded"]`` and in its title (which its plot shows): the
+    command, the UTC date it started, the machine and the 1-minute load at the start and now, the end."""
+    load_after = os.getloadavg()[0]
+    record = {"command": command, "date_utc": started.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+              "machine": machine(), "load_1min_start": round(load_before, 2), "load_1min_end": round(load_after, 2)}
+    result.meta["recorded"] = record
+    result.title += (f"\nrecorded {record['date_utc']} UTC on {record['machine']}, 1-min load "
+                     f"{load_before:.1f} -> {load_after:.1f}")
 
 
 def _fmt(v: object) -> str:

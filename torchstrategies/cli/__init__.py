@@ -9,8 +9,8 @@ Built on click (subcommands, options, help text) with rich for tables and progre
     torchstrategies compare                   # which kernel / all-reduce to use for which size
     torchstrategies demo [--fast]             # what `make demo` runs
 
-Every command imports what it needs when it runs; a command whose module is not in this build stops
-with ``Error: not available in this build: <module>`` (exit status 1).
+Every command imports what it needs when it runs; a command whose module is not in this build stops with
+``Error: not available in this build: <module>`` (exit status 1).
 """
 
 from __future__ import annotations

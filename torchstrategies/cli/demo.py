@@ -4,19 +4,23 @@
 2. examples/mirrored_digits.py (MirroredStrategy, one process),
 3. examples/parameter_server_digits.py under torchrun with 4 processes (chief, 1 ps, 2 workers),
 
-each in its own subprocess; their last stdout line ``RESULT {json}`` gives accuracy and samples/s for a
-summary table. Then the kernel benchmark (``bench kernels``) prints its table and draws a PNG, with the
-fastest kernel per size. An example that is not in this build is reported as "not available yet"; an
+each in its own subprocess, shown as it runs; each writes its result (``--result-json FILE``: strategy,
+accuracy, samples/s) to a file the demo reads for the summary table, so no machine-readable line mixes
+into what you read. Then the kernel benchmark (``bench kernels``) prints its table and draws a PNG stamped
+with the date, the machine and the load (as the figures of benchmarks/ are), with the fastest kernel per
+size. An example that is not in this build is reported as "not available yet"; an
 example that fails is reported with the tail of its output, and the demo exits with status 1 at the end.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
     from torchstrategies.bench.report import BenchResult
 
-__all__ = ["EXAMPLES", "Example", "Outcome", "parse_result_line", "run_example", "run", "examples_dir"]
+__all__ = ["EXAMPLES", "Example", "Outcome", "read_result", "run_example", "run", "examples_dir"]
 
 
 @dataclass(frozen=True)
@@ -71,25 +75,28 @@ def examples_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "examples"
 
 
-def parse_result_line(stdout: str) -> dict[str, Any]:
-    """The JSON of the last ``RESULT {...}`` line of ``stdout``.
+def read_result(path: str) -> dict[str, Any]:
+    """The result an example wrote with ``--result-json path``.
 
     Raises:
-        ValueError: there is no RESULT line, or its JSON is invalid or lacks accuracy / samples_per_sec.
+        ValueError: the file is missing or empty, its JSON is invalid, or it lacks accuracy / samples_per_sec.
     """
-    lines = [ln.strip() for ln in stdout.splitlines() if ln.strip().startswith("RESULT ")]
-    if not lines:
-        raise ValueError("no line starting with 'RESULT ' in the example's output")
-    text = lines[-1][len("RESULT ") :]
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = ""
+    if not text.strip():
+        raise ValueError("the example wrote no result (--result-json)")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"RESULT line is not JSON ({exc}): {text!r}") from None
+        raise ValueError(f"its result is not JSON ({exc}): {text!r}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"RESULT line must hold a JSON object, got {text!r}")
+        raise ValueError(f"its result must be a JSON object, got {text!r}")
     missing = [k for k in ("accuracy", "samples_per_sec") if k not in data]
     if missing:
-        raise ValueError(f"RESULT line lacks {missing}: {text!r}")
+        raise ValueError(f"its result lacks {missing}: {text!r}")
     return data
 
 
@@ -124,10 +131,16 @@ def run_example(ex: Example, *, fast: bool, timeout: float, echo: bool = True) -
     script = examples_dir() / ex.script
     if not script.is_file():
         return Outcome(ex, "not available yet", detail=f"{script} is not in this build")
-    extra = ["--fast"] if fast else []
-    t0 = time.perf_counter()
-    code, out, timed_out = _run_group(_command(ex, script, extra), timeout, str(script.parent.parent), echo)
-    seconds = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="torchstrategies-demo-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        extra = (["--fast"] if fast else []) + ["--result-json", result_path]
+        t0 = time.perf_counter()
+        code, out, timed_out = _run_group(_command(ex, script, extra), timeout, str(script.parent.parent), echo)
+        seconds = time.perf_counter() - t0
+        try:
+            data: dict[str, Any] | str = read_result(result_path)
+        except ValueError as exc:
+            data = str(exc)
     if timed_out:
         return Outcome(
             ex,
@@ -139,10 +152,8 @@ def run_example(ex: Example, *, fast: bool, timeout: float, echo: bool = True) -
         return Outcome(
             ex, "failed", seconds=seconds, detail=f"exit status {code}; last output:\n{_tail(out)}"
         )
-    try:
-        data = parse_result_line(out)
-    except ValueError as exc:
-        return Outcome(ex, "failed", seconds=seconds, detail=f"{exc}; last output:\n{_tail(out)}")
+    if isinstance(data, str):
+        return Outcome(ex, "failed", seconds=seconds, detail=f"{data}; last output:\n{_tail(out)}")
     return Outcome(ex, "ok", result=data, seconds=seconds)
 
 
@@ -221,6 +232,7 @@ def summary(outcomes: list[Outcome]) -> BenchResult:
     res = BenchResult(
         "torchstrategies demo: digits (scikit-learn), held-out accuracy",
         ["strategy", "launch", "accuracy", "samples/s", "wall s", "status"],
+        meta={"formats": {"accuracy": ".4f", "samples/s": ".1f", "wall s": ".1f"}},  # as the examples print them
     )
     for o in outcomes:
         res.rows.append(
@@ -243,7 +255,7 @@ def run(fast: bool = False, out_dir: str = "demo-results", timeout: float | None
     from torchstrategies.cli._common import module_available
     from torchstrategies.cli.bench_cmds import BENCH_MODULES
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console()
     timeout = timeout or (180.0 if fast else 900.0)
     os.makedirs(out_dir, exist_ok=True)
     outcomes: list[Outcome] = []
@@ -271,6 +283,7 @@ def run(fast: bool = False, out_dir: str = "demo-results", timeout: float | None
 
 
 def _kernels(console: Console, fast: bool, out_dir: str) -> int:
+    from torchstrategies.bench.report import stamp
     from torchstrategies.cli._common import emit_result
     from torchstrategies.cli.bench_cmds import run_bench
     from torchstrategies.cli.compare import advice
@@ -283,11 +296,13 @@ def _kernels(console: Console, fast: bool, out_dir: str) -> int:
         opts = {"n": (2, 4, 8), "kernel_sizes": (1 << 16, 1 << 20, 1 << 24), "repeats": 5}
     explicit = set(opts)
     opts["progress"] = True
+    started, load_before = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
     try:
         result, module = run_bench("kernels", opts, explicit)
     except Exception as exc:  # noqa: BLE001 - the demo reports and goes on
         console.print(f"kernel benchmark failed: {type(exc).__name__}: {exc}")
         return 1
+    stamp(result, "torchstrategies demo" + (" --fast" if fast else ""), started, load_before)  # on the plot too
     has_plot = getattr(module, "plot", None) is not None
     png = os.path.abspath(os.path.join(out_dir, "kernels.png")) if has_plot else None
     emit_result(result, module, os.path.join(out_dir, "kernels.json"), png, console=console)

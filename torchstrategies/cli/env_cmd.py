@@ -71,7 +71,9 @@ def render(info: dict[str, Any]) -> None:
     t.add_row(
         "environment", "\n".join(f"{k}={v}" for k, v in info["env"].items()) or "(none of interest set)"
     )
-    Console().print(t)
+    from torchstrategies.bench.report import print_table
+
+    print_table(t, Console())
 
 
 @click.command()

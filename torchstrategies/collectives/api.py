@@ -87,18 +87,8 @@ def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] 
     if opts.implementation is Impl.AUTO and torch.cuda.is_available():
         # CUDA tensors to NCCL, CPU ones to ours (AUTO: no options object, which NCCL's creator would refuse)
         return dist.new_group(members, timeout=timeout, backend=f"cpu:{_backend.BACKEND},cuda:nccl")
-    g = dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
-                       pg_options=_backend.BackendOptions(opts.implementation, seconds))
-    own = _cpu_backend(g) if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER else None
-    if own is not None:
-        _log_choice(_C.backend_plan(own)[0], opts.implementation, g)
-    return g
-
-
-def _log_choice(chosen: str, asked: Impl, g: dist.ProcessGroup) -> None:
-    """The one INFO record saying which implementation a group's collectives run (docs/logging.md)."""
-    _log.info("implementation %s (asked %s) for %d ranks of %s", chosen, asked.name, dist.get_world_size(g),
-              topology.describe_group(g))
+    return dist.new_group(members, timeout=timeout, backend=_backend.BACKEND,
+                          pg_options=_backend.BackendOptions(opts.implementation, seconds))  # its creator logs
 
 
 def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
@@ -120,7 +110,9 @@ def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
         per[(impl, cuda)] = exc
         raise
     per[(impl, cuda)] = made
-    _log_choice(_C.backend_plan(made.obj)[0] if made.ours else ("NCCL" if cuda else "GLOO"), impl, g)
+    if not made.ours:  # a backend of ours logged its choice when it was made (backend.make)
+        _log.info("implementation %s (asked %s) for %d ranks of %s", "NCCL" if cuda else "GLOO", impl.name,
+                  dist.get_world_size(g), topology.describe_group(g))
     return made
 
 

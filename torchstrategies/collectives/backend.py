@@ -29,6 +29,7 @@ set-up checks, naming the variable, on every rank):
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 
@@ -39,6 +40,8 @@ from torchstrategies._ext import _C
 from torchstrategies.collectives import topology
 from torchstrategies.collectives._common import from_backend_error
 from torchstrategies.collectives.options import CommunicationImplementation as Impl
+
+_log = logging.getLogger("torchstrategies.collectives")
 
 __all__ = ["BACKEND", "BackendOptions", "register", "bind_address", "IMPLEMENTATIONS", "shm_slot_bytes"]
 
@@ -148,7 +151,10 @@ def shm_slot_bytes() -> int:
 
 def make(store: dist.Store, rank: int, size: int, timeout: float, global_ranks: list[int], desc: str,
          impl: Impl) -> c10d.Backend:
-    """A torchstrategies c10d backend on ``store`` (collective over the group's ranks)."""
+    """A torchstrategies c10d backend on ``store`` (collective over the group's ranks). Every backend is made
+    here, whoever asks (``init_process_group`` / ``new_group`` through :func:`_create`, or the collectives
+    API for a group on another backend), so this is where the one INFO record saying which implementation
+    it runs is logged (docs/logging.md)."""
     slot = shm_slot_bytes()
     small = _int_env("TORCHSTRATEGIES_RING_SMALL_BYTES", 64 << 10)
     chunk = _int_env("TORCHSTRATEGIES_RING_CHUNK_BYTES", 256 << 10)
@@ -169,6 +175,7 @@ def make(store: dist.Store, rank: int, size: int, timeout: float, global_ranks: 
     # gloo connects every pair now (send/recv need it ready); our own set-up has already succeeded.
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, datetime.timedelta(seconds=timeout))
     _C.backend_set_gloo(made, gloo)
+    _log.info("implementation %s (asked %s) for %d ranks of %s", _C.backend_plan(made)[0], impl.name, size, desc)
     return made
 
 
