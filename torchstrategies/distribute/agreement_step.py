@@ -32,8 +32,9 @@ __all__ = ["StepAgreement", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
 # write torch does not count (version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES
-# of the model. NOT YET MEASURED: to be set (at most 10) against the budget, at most 2% of the bench MLP's
-# MWMS step, from the two rows of one run on a quiet machine (the second has the check off):
+# of the model. Measured (2-core AMD EPYC VM, 2026-11-28 13:33/13:35 UTC, load 0.49 at each start; docs/
+# strategies.md, Agreement): the check costs 7.8% / 2.4% of the bench MLP's MWMS step at 8, over the 2% budget,
+# and the cost is the check's own blocking all-reduce, not the hashing, so a larger value would not lower it:
 #   torchstrategies bench train --nproc 2 --no-in-process --strategy mwms-default --strategy mwms-no-agreement
 AGREEMENT_SLICES = 8
 
