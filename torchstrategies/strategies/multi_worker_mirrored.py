@@ -383,7 +383,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                                     self._health, autograd_hooks=autograd_hooks, name_of=self._parameter_name)
 
     def _parameter_name(self, param: torch.Tensor) -> str:
-        return next((n for n, p in self._named(buffers=False) if p is param), f"of shape {tuple(param.shape)}")
+        return next((n for n, p in self.named_parameters() if p is param), f"of shape {tuple(param.shape)}")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
@@ -410,21 +410,18 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """Whether ``optimizer`` steps parameters this strategy synchronizes."""
         return bool(self._synchronizers.for_optimizer(optimizer)[0])
 
-    def _named(self, buffers: bool) -> list[tuple[str, torch.Tensor]]:
-        """The parameters (or buffers) of the modules made in the scope, named by module class and path."""
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of the modules made in the scope, each once, named by module class and path."""
         named: list[tuple[str, torch.Tensor]] = []
         seen: set[int] = set()
         for m in (r() for r in self._modules):
             if m is None:
                 continue
-            for name, t in (m.named_buffers() if buffers else m.named_parameters()):
+            for name, t in m.named_parameters():
                 if id(t) not in seen:
                     seen.add(id(t))
                     named.append((f"{type(m).__name__}.{name}", t))
         return named
-
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return self._named(buffers=False)
 
     def check_divergence(self, when: str = "a checkpoint save") -> None:
         """Raises ``ReplicaDivergenceError`` unless every rank holds the same parameters of the modules made
