@@ -230,7 +230,7 @@ def _ratios(row: dict[str, Any], base: float | None, ceiling: float | None) -> d
     rate = row["samples/s"]
     numeric = isinstance(rate, (int, float))
     row["vs ddp"] = rate / base if base and numeric else ""
-    row["% of no-comm"] = 100.0 * rate / ceiling if ceiling and numeric else ""
+    row["% of no-comm"] = 100.0 * (rate / ceiling) if ceiling and numeric else ""
     return row
 
 
