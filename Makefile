@@ -40,8 +40,8 @@ test: build
 
 # Lint and type-check the package (config in pyproject.toml); CI runs it before the tests.
 lint: $(DEPS_STAMP)
-	$(PY) -m ruff check torchstrategies tests
-	$(PY) -m mypy torchstrategies
+	$(PY) -m ruff check torchstrategies torchstrategies_cli tests
+	$(PY) -m mypy torchstrategies torchstrategies_cli
 
 demo: build
 	$(PY) -m torchstrategies demo

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from torchstrategies.bench import allreduce_hosts, netns
-from torchstrategies.cli import main as cli
+from torchstrategies_cli import main as cli
 
 UNAVAILABLE = netns.available()
 needs_netns = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces: {UNAVAILABLE}")

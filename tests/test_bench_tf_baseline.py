@@ -170,7 +170,7 @@ def test_the_cli_passes_tf_python_and_tf_inter_op_to_bench_train(tmp_path, monke
 
     from torchstrategies.bench import train
     from torchstrategies.bench.report import BenchResult
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     python, _ = _fake(tmp_path)
     seen: list[dict] = []

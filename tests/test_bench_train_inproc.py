@@ -40,7 +40,7 @@ def test_bench_inproc_command_prints_the_rows_as_one_table(tmp_path):
 
     from click.testing import CliRunner
 
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     out = tmp_path / "inproc.json"
     args = ["bench", "inproc", "--group", "overhead", "--steps", "2", "--repeats", "1", "--threads", "1",

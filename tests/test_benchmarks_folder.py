@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from torchstrategies.cli.bench_cmds import BENCH_MODULES, bench
+from torchstrategies.cli.bench_cmds import BENCH_MODULES
+from torchstrategies_cli.bench import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"

@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from tests import cli_fakes
-from torchstrategies.cli import main
-from torchstrategies.cli._common import parse_size
+from torchstrategies_cli import main
+from torchstrategies_cli._options import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

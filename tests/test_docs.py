@@ -266,7 +266,7 @@ def _parse_cli(argv: list[str]) -> None:
 
     import click
 
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     ctx = main.make_context("torchstrategies", list(argv))
     command: click.Command = main

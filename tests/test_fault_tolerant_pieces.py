@@ -143,7 +143,7 @@ def test_a_job_below_min_workers_stops_with_the_named_error(store_address):
 
 def test_the_recovery_benchmark_measures_from_the_kill_to_the_step_in_flight_applied_and_counts_redone_steps():
     from torchstrategies.bench import fault_tolerance, train
-    from torchstrategies.cli.bench_cmds import bench
+    from torchstrategies_cli.bench import bench
 
     # Steps every 0.1 s; killed at t=2.05 in step 20; a resume from step 15's checkpoint redoes 15..19.
     before = [(s, 0.1 * s) for s in range(20)]

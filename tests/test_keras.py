@@ -103,7 +103,7 @@ def test_multi_worker_train_on_batch_of_numpy_global_batches_equals_one_process(
 def test_bench_train_compares_keras_under_mwms_with_plain_keras_in_one_run(tmp_path):
     from click.testing import CliRunner
 
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     out = tmp_path / "keras.json"
     result = CliRunner().invoke(main, ["bench", "train", "--nproc", "2", "--strategy", "keras-one-process",

@@ -58,7 +58,7 @@ def test_default_thread_counts_are_one_and_torchs_current() -> None:
 
 
 def test_cli_measures_every_row_at_each_thread_count(tmp_path: Path) -> None:
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     out = tmp_path / "k.json"
     args = ["bench", "kernels", "--n", "2", "--size", "1000", "--repeats", "1", "--threads", "1", "--threads",
@@ -85,7 +85,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 def test_cli_prints_markdown_and_writes_json(tmp_path: Path) -> None:
     """What benchmarks/kernels.py did before it was folded into the command: --markdown beside --json."""
-    from torchstrategies.cli import main
+    from torchstrategies_cli import main
 
     out = tmp_path / "k.json"
     args = ["bench", "kernels", "--n", "2", "--size", "1000", "--repeats", "1", "--threads", "1", "--threads", "2",

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from harness import run_ranks
 
-from torchstrategies.cli import main
+from torchstrategies_cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "torchstrategies"

@@ -68,6 +68,110 @@ def test_the_accelerate_route_runs_one_process_under_plain_python_as_accelerator
     assert "torch.Size([1, 1])" in p.stdout
 
 
+# ---------------------------------------------------------------- 6. --help imports no torch
+def _command_paths() -> list[list[str]]:
+    """Every command of the parser: [], ["bench"], ["bench", "allreduce"], ..."""
+    import click
+
+    from torchstrategies_cli import main
+
+    paths: list[list[str]] = []
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        paths.append(path)
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, [*path, name])
+
+    walk(main, [])
+    return paths
+
+
+def _leaf_commands() -> dict[str, object]:
+    import click
+
+    from torchstrategies_cli import main
+
+    out = {}
+    for path in _command_paths():
+        cmd: click.Command = main
+        for name in path:
+            assert isinstance(cmd, click.Group)
+            cmd = cmd.commands[name]
+        if not isinstance(cmd, click.Group):
+            out[" ".join(path)] = cmd
+    return out
+
+
+_HELP_WITHOUT_TORCH = """
+import sys
+from torchstrategies_cli import main
+try:
+    main(sys.argv[1:], prog_name="torchstrategies")
+except SystemExit as done:
+    assert done.code in (0, None), done.code
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchstrategies"))
+assert not loaded, loaded
+"""
+
+
+@pytest.mark.parametrize("path", _command_paths(), ids=lambda p: " ".join(p) or "torchstrategies")
+def test_the_help_of_every_command_imports_neither_torch_nor_the_package(path):
+    p = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, *path, "--help"], capture_output=True,
+                       text=True, env=_clean_env(), cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Usage: torchstrategies" in p.stdout and "--help" in p.stdout
+
+
+def test_version_imports_no_torch():
+    p = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, "--version"], capture_output=True, text=True,
+                       env=_clean_env(), cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("torchstrategies, version ")
+
+
+def test_the_console_script_is_the_torch_free_parser():
+    import tomllib
+
+    from torchstrategies_cli import main
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    module, _, attr = project["project"]["scripts"]["torchstrategies"].partition(":")
+    assert (module, attr) == ("torchstrategies_cli", "main")
+    assert getattr(__import__(module), attr) is main
+    from setuptools import find_packages
+
+    found = find_packages(str(ROOT), include=project["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert {"torchstrategies", "torchstrategies.cli", "torchstrategies_cli"} <= set(found)
+
+
+@pytest.mark.parametrize("name", sorted(_leaf_commands()))
+def test_every_command_s_options_are_exactly_what_its_implementation_takes(name):
+    """No drift between the parser (torchstrategies_cli) and the function a command runs (torchstrategies.cli):
+    it is called as ``function(ctx, **every option)``, so each side must name the same parameters."""
+    import inspect
+
+    from torchstrategies_cli._command import ImplCommand
+
+    cmd = _leaf_commands()[name]
+    assert isinstance(cmd, ImplCommand), f"{name} is not an ImplCommand (its body would load at import)"
+    params = list(inspect.signature(cmd.implementation()).parameters.values())
+    assert params and params[0].name == "ctx", f"{cmd.target} must take the click context first"
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params), cmd.target
+    assert {p.name for p in params[1:]} == {p.name for p in cmd.params if p.name}, cmd.target
+
+
+@pytest.mark.timeout(150)
+def test_python_m_torchstrategies_runs_the_same_parser():
+    def help_of(module: str) -> str:
+        p = subprocess.run([sys.executable, "-m", module, "bench", "--help"], capture_output=True, text=True,
+                           env=_clean_env(), cwd=ROOT, timeout=140)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    assert help_of("torchstrategies") == help_of("torchstrategies_cli")
+
+
 # ---------------------------------------------------------------- 6. the commands run with the API loaded
 @pytest.mark.timeout(150)
 def test_a_command_that_runs_loads_the_api_and_torch():

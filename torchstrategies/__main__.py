@@ -1,3 +1,3 @@
-from torchstrategies.cli import main
+from torchstrategies_cli import main
 
 main(prog_name="torchstrategies")

@@ -1,5 +1,6 @@
-"""Helpers shared by the CLI commands: lazy loading of bench modules, size parsing, the shared options and
-the one report path of every benchmark (:func:`emit_result`).
+"""Helpers shared by the CLI commands' implementations: lazy loading of bench modules, calling a bench's
+``run`` with the options it takes, and the one report path of every benchmark (:func:`emit_result`). The
+parser (options, sizes, help) is ``torchstrategies_cli``, which imports no torch.
 
 The benchmarks live in ``torchstrategies.bench.<name>`` and land branch by branch, so every command
 imports its module only when it runs, and a missing module is a one-line error
@@ -12,10 +13,9 @@ import importlib
 import importlib.util
 import inspect
 import os
-import re
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,33 +29,8 @@ __all__ = [
     "load_module",
     "module_available",
     "call_with_supported",
-    "parse_size",
-    "SizeType",
-    "SIZE_UNITS",
     "emit_result",
-    "nproc_option",
-    "sizes_option",
-    "repeats_option",
-    "count_option",
-    "output_options",
 ]
-
-# Binary size suffixes (lower case) -> bytes or elements; recommend.py reads table cells with the same units.
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
 
 class NotAvailable(click.ClickException):
     """A command's backing module is not part of this build (it lands with another branch)."""
@@ -80,39 +55,6 @@ def load_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as exc:
         raise click.ClickException(f"{name} is in this build but failed to import: {exc}") from exc
-
-
-def parse_size(text: object) -> int:
-    """``"64K"`` -> 65536, ``"4 KiB"`` -> 4096, ``"1M"`` -> 1048576, ``"100"`` -> 100 (binary units).
-
-    Raises:
-        ValueError: not a size.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size must be >= 0, got {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 4KiB, 16M, 1GiB)")
-    value = float(m.group(1)) * SIZE_UNITS[m.group(2).lower()]
-    if value != int(value):
-        raise ValueError(f"not a whole size: {text!r}")
-    return int(value)
-
-
-class SizeType(click.ParamType):
-    """A click parameter for sizes such as 64K, 4KiB, 16M."""
-
-    name = "size"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
 
 
 def call_with_supported(
@@ -191,43 +133,3 @@ def emit_result(
 def _ensure_parent(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-
-
-# ---- options several commands share (bench kernels / allreduce / train / train-ps, compare)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def nproc_option(help: str, minimum: int = 1, default: int = 2) -> Callable[[F], F]:
-    """``--nproc N``: the ranks a command launches."""
-    return click.option("--nproc", type=click.IntRange(minimum), default=default, show_default=True, help=help)
-
-
-def sizes_option(flag: str, dest: str, help: str) -> Callable[[F], F]:
-    """A repeatable size option (``--size 64K --size 16M``) into the parameter ``dest``."""
-    return click.option(flag, dest, type=SizeType(), multiple=True, help=help)
-
-
-def repeats_option(help: str = "Timed repetitions per point.") -> Callable[[F], F]:
-    """``--repeats K``; left at None so the bench module's own default applies."""
-    return count_option("--repeats", "repeats", help)
-
-
-def count_option(flag: str, dest: str, help: str, multiple: bool = False) -> Callable[[F], F]:
-    """A whole number >= 1 into ``dest`` (repeatable with ``multiple``); unset, it stays None (or ``()``) so
-    the bench module's own default applies."""
-    return click.option(flag, dest, type=click.IntRange(1), multiple=multiple, default=None, help=help)
-
-
-def output_options(fn: F) -> F:
-    """``--plot``, ``--json``, ``--markdown`` and ``--progress/--no-progress``: what :func:`emit_result` and
-    the progress bar need."""
-    fn = click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a chart (PNG).")(fn)
-    fn = click.option(
-        "--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON."
-    )(fn)
-    fn = click.option("--markdown", is_flag=True, help="Also print the table as Markdown (for docs).")(fn)
-    fn = click.option(
-        "--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr."
-    )(fn)
-    return fn

@@ -4,7 +4,7 @@ machine, and which to use for which size (the data AUTO is built from), with a p
 It runs ``bench kernels`` and ``bench allreduce`` (or reads their ``--json`` output with
 ``--kernels-from`` / ``--allreduce-from``), finds the winner at every size with
 :mod:`torchstrategies.cli.recommend`, prints one table of advice plus the size ranges per winner, and
-draws both benchmarks' curves in one PNG.
+draws both benchmarks' curves in one PNG. Its options are declared in ``torchstrategies_cli``.
 """
 
 from __future__ import annotations
@@ -16,23 +16,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from torchstrategies.cli._common import (
-    NotAvailable,
-    count_option,
-    module_available,
-    nproc_option,
-    repeats_option,
-    sizes_option,
-)
+from torchstrategies.cli._common import NotAvailable, module_available
 from torchstrategies.cli.bench_cmds import BENCH_MODULES, run_bench
 from torchstrategies.cli.recommend import Winner, detect_roles, series, size_ranges, winners
 
 if TYPE_CHECKING:
     from torchstrategies.bench.report import BenchResult
 
-__all__ = ["compare", "advice", "plot_compare", "DEFAULT_PLOT"]
+__all__ = ["compare", "advice", "plot_compare"]
 
-DEFAULT_PLOT = "torchstrategies-compare.png"
 ADVICE_COLUMNS = ["bench", "group", "size", "use", "metric", "runner-up", "margin"]
 
 
@@ -170,36 +162,6 @@ def _sources(
     return sources, skipped
 
 
-@click.command()
-@nproc_option("Ranks for the all-reduce run.", minimum=2)
-@count_option("--n", "n", "Tensors summed by the kernels (repeat).", multiple=True)
-@sizes_option("--kernel-size", "kernel_sizes", "Elements per tensor for the kernels (repeat), e.g. 64K, 16M.")
-@sizes_option("--message-size", "message_sizes", "All-reduce message size in bytes (repeat), e.g. 4KiB, 64MiB.")
-@repeats_option()
-@click.option(
-    "--kernels-from",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Use this `bench kernels --json` file instead of running the kernels.",
-)
-@click.option(
-    "--allreduce-from",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Use this `bench allreduce --json` file instead of running the all-reduce benchmark.",
-)
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), help="Write advice and raw results as JSON."
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    default=DEFAULT_PLOT,
-    show_default=True,
-    help="Where to draw the chart.",
-)
-@click.option("--no-plot", is_flag=True, help="Do not draw the chart.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
-@click.pass_context
 def compare(
     ctx: click.Context,
     nproc,
@@ -214,7 +176,8 @@ def compare(
     no_plot,
     progress,
 ) -> None:
-    """Run every aggregation kernel and all-reduce implementation; print which to use for which size."""
+    """``torchstrategies compare`` (options: ``torchstrategies_cli``): runs or reads both benchmarks and prints
+    which to use for which size."""
     from click.core import ParameterSource
 
     def explicit(*names: str) -> set[str]:

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import click
     from rich.console import Console
 
     from torchstrategies.bench.report import BenchResult
 
-__all__ = ["EXAMPLES", "Example", "Outcome", "read_result", "run_example", "run", "examples_dir"]
+__all__ = ["EXAMPLES", "Example", "Outcome", "read_result", "run_example", "run", "demo", "examples_dir"]
 
 
 @dataclass(frozen=True)
@@ -313,3 +314,10 @@ def _kernels(console: Console, fast: bool, out_dir: str) -> int:
     except ValueError as exc:
         console.print(f"(no advice: {exc})")
     return 0
+
+
+def demo(ctx: click.Context, fast: bool, out_dir: str, timeout: float | None) -> None:
+    """``torchstrategies demo`` (options: ``torchstrategies_cli``): :func:`run`, exiting with its status."""
+    code = run(fast=fast, out_dir=out_dir, timeout=timeout)
+    if code:
+        raise SystemExit(code)

@@ -76,15 +76,9 @@ def render(info: dict[str, Any]) -> None:
     print_table(t, Console())
 
 
-@click.command()
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    help="Write the same information as JSON ('-' for stdout, instead of the table).",
-)
-def env(json_path: str | None) -> None:
-    """Print torch/CUDA/NCCL/gloo versions, cores, the built kernels and hosts (paste it in bug reports)."""
+def env(ctx: click.Context, json_path: str | None) -> None:
+    """``torchstrategies env`` (options: ``torchstrategies_cli``): prints what this machine has, or writes it as
+    JSON (``json_path`` ``-``: stdout only)."""
     from torchstrategies.env_info import collect
 
     info = collect()

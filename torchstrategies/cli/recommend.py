@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchstrategies.cli._common import SIZE_UNITS
+from torchstrategies_cli._options import SIZE_UNITS
 
 if TYPE_CHECKING:
     from torchstrategies.bench.report import BenchResult

@@ -1,0 +1,3 @@
+from torchstrategies_cli import main
+
+main(prog_name="torchstrategies")
