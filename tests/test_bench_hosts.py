@@ -7,6 +7,7 @@ worker stops the run with a RuntimeError on a wrong sum, see allreduce_worker._c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -71,31 +72,66 @@ def test_three_hosts_of_one_rank_ring_bytes_match_the_theory():
     assert netns.namespaces_of(os.getpid()) == []
 
 
+# How the bench is stopped: (signal, to its whole process group (a terminal's Ctrl-C) or to its pid, how often,
+# what the bench inherited for SIGINT). "ignored": a shell starts a background job (`cmd &` in a script) with
+# SIGINT ignored; "again and again": Ctrl-C pressed every 50 ms until it stops, so some land in the cleanup.
+STOPS = {
+    "SIGTERM": (signal.SIGTERM, "pid", "once", signal.SIG_DFL),
+    "Ctrl-C": (signal.SIGINT, "group", "once", signal.SIG_DFL),
+    "Ctrl-C again and again": (signal.SIGINT, "group", "again", signal.SIG_DFL),
+    "SIGINT to a background job that inherited it ignored": (signal.SIGINT, "pid", "once", signal.SIG_IGN),
+}
+
+
+def _ranks_in(names: list[str]) -> list[str]:
+    return [p for n in names for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True,
+                                                     text=True).stdout.split()]
+
+
 @needs_netns
 @pytest.mark.timeout(300)
-def test_an_interrupted_run_removes_its_namespaces_and_ranks():
-    code = ("from torchstrategies.bench import allreduce_hosts as a; "
-            "a.run(hosts=2, link='10mbit', sizes=[16 << 20], rounds=1, progress=False)")
-    child = subprocess.Popen([sys.executable, "-c", code])
+@pytest.mark.parametrize("stop", sorted(STOPS))
+def test_a_stopped_run_exits_and_removes_its_namespaces_and_ranks(stop, tmp_path):
+    signum, target, how, inherited = STOPS[stop]
+    cmd = [sys.executable, "-m", "torchstrategies", "bench", "allreduce", "--hosts", "2", "--link", "10mbit",
+           "--size", "16MiB", "--repeats", "1", "--no-progress"]  # 16 MiB at 10 Mbit/s: a run of minutes
+    out = open(tmp_path / "out.txt", "w+")
+    child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
+    send = (lambda: os.killpg(child.pid, signum)) if target == "group" else (lambda: child.send_signal(signum))
     try:
         deadline = time.monotonic() + 200
         pids: list[str] = []
         while time.monotonic() < deadline and not pids:  # wait until the ranks run in the hosts
             time.sleep(0.5)
-            names = [n for n in netns.namespaces_of(child.pid) if "-h" in n]
-            pids = [p for n in names for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True,
-                                                              text=True).stdout.split()]
-            assert child.poll() is None
+            pids = _ranks_in([n for n in netns.namespaces_of(child.pid) if "-h" in n])
+            assert child.poll() is None, out.seek(0) or out.read()[-3000:]
         assert pids, "the ranks never started"
-        child.send_signal(signal.SIGTERM)
-        child.wait(60)
+        send()
+        stopped_by = time.monotonic() + 30
+        while how == "again" and child.poll() is None and time.monotonic() < stopped_by:
+            time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError):
+                send()
+        try:
+            child.wait(max(0.0, stopped_by - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{stop}: the bench did not stop within 30 s")
     finally:
         if child.poll() is None:
-            child.kill()
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-    assert netns.namespaces_of(child.pid) == []
+        leftover = netns.namespaces_of(child.pid)
+        for n in leftover:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+    assert leftover == []
     time.sleep(0.5)
     assert [p for p in pids if os.path.exists(f"/proc/{p}")] == []
+    out.seek(0)
+    text = out.read()
+    if how == "once":  # (pressed again and again, a late Ctrl-C may land in click's own exit)
+        assert child.returncode == (1 if signum == signal.SIGINT else 128 + signum), text[-3000:]
+        assert ("Aborted!" in text) == (signum == signal.SIGINT), text[-3000:]
 
 
 @needs_netns

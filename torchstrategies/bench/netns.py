@@ -10,9 +10,11 @@ directly inside the namespaces, so nothing is ever added to the machine's own na
 namespaces deletes every link.
 
 Cleanup: :meth:`Network.close` (also on ``with`` exit) kills every process left in the namespaces and
-deletes them; :func:`handle_signals` turns SIGTERM/SIGHUP into an exception so the ``finally`` runs;
-processes started by :meth:`Network.popen` die with their parent (``PR_SET_PDEATHSIG``); and
-:func:`sweep_stale` (run when a Network is made) removes namespaces of runs whose process is gone.
+deletes them, and a stop signal that arrives while it runs waits until it is done; :func:`handle_signals`
+turns SIGINT/SIGTERM/SIGHUP into an exception so the ``finally`` runs, and ignores the ones after it, so a
+second Ctrl-C cannot cut the cleanup short; processes started by :meth:`Network.popen` die with their parent
+(``PR_SET_PDEATHSIG``); and :func:`sweep_stale` (run when a Network is made) removes namespaces of runs whose
+process is gone.
 
 Example (as root):
     >>> with handle_signals(), Network(hosts=2, rate_bits=10**9) as net:      # doctest: +SKIP
@@ -30,16 +32,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["Network", "NetworkUnavailable", "available", "parse_rate", "sweep_stale", "handle_signals",
-           "namespaces_of", "IFACE", "PREFIX", "SUBNET"]
+           "namespaces_of", "IFACE", "PREFIX", "SUBNET", "STOP_SIGNALS"]
 
 PREFIX = "tsnet-"
 IFACE = "tslink"
 SUBNET = "10.213.0"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)?(/s)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -147,17 +151,45 @@ def sweep_stale() -> list[str]:
 
 @contextlib.contextmanager
 def handle_signals() -> Iterator[None]:
-    """While inside: SIGTERM and SIGHUP raise SystemExit (SIGINT already raises KeyboardInterrupt), so the
-    ``finally`` blocks that delete the namespaces run when the bench is stopped."""
+    """While inside, each of :data:`STOP_SIGNALS` stops the bench: SIGINT raises KeyboardInterrupt, SIGTERM and
+    SIGHUP raise SystemExit(128 + signal), so the ``finally`` blocks that delete the namespaces run. That holds
+    whatever the process inherited: a shell starts a background job (``cmd &`` in a script) with SIGINT
+    ignored, and the namespaces outlive the bench unless it stops. The first one is enough: the ones after it
+    are ignored until the block is left, so pressing Ctrl-C again cannot interrupt the cleanup."""
     def stop(signum: int, _frame: Any) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        _restore(old)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Stop signals that arrive inside are raised again when it is left, so the cleanup inside runs to its end
+    (in the main thread, where Python runs signal handlers; elsewhere it does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        _restore(old)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)  # now the handler that was there decides (raise, ignore, or the default)
+
+
+def _restore(handlers: dict[signal.Signals, Any]) -> None:
+    for s, h in handlers.items():
+        signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler not installed from Python
 
 
 def _die_with_parent() -> None:
@@ -255,7 +287,12 @@ class Network:
         return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def close(self) -> None:
-        """Kills what runs in the namespaces and deletes them (idempotent)."""
+        """Kills what runs in the namespaces and deletes them (idempotent); a stop signal that arrives meanwhile
+        is raised once they are gone."""
+        with _signals_deferred():
+            self._close()
+
+    def _close(self) -> None:
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
