@@ -391,7 +391,7 @@ class TransactionalLoop:
         """``tensors`` reduced in place over the current generation (``what``: the caller, for errors).
 
         Before the commit point a failure discards the step (``StepAborted``: ``step_fn`` is redone); outside
-        a step it raises ``UnavailableError`` (the next step forms a new generation).
+        a step a failure, or no current generation, raises ``UnavailableError`` (the next step forms one).
 
         Raises:
             CollectiveAfterCommitError: asked for after the step's commit point.
@@ -404,7 +404,12 @@ class TransactionalLoop:
                 "makes fail could not be undone. Call it before loss.backward() (it is then part of the step: a "
                 "lost member discards and redoes the step), or on what step_fn returns, after loop.step()")
         gen, group = self.generation, self.group
-        if gen is None or group is None or gen.size == 1:
+        if gen is None or group is None:
+            raise UnavailableError(
+                f"fault-tolerant MultiWorkerMirrored: {what} outside a step between generations (after step "
+                f"{self.steps} this worker left its group: a member was lost or workers wait to join); the next "
+                "loop.step forms the next generation. Reduce in step_fn before loss.backward(), or after loop.step")
+        if gen.size == 1:
             return tensors
         try:
             all_reduce(group, op, tensors)
