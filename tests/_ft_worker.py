@@ -2,6 +2,7 @@
 
 Environment: FT_OUT (folder for the result), FT_STEPS, FT_CLIP (clip_grad_norm_'s max_norm in step_fn,
 0: none), FT_BATCHNORM, FT_DIVERGE (at this step slot 1 writes a parameter in place before backward),
+FT_REDUCE (step_fn returns the global loss, strategy.reduce before backward),
 FT_WAIT_FULL (after FT_STEPS, go on until the generation has this many members again), FT_TIMEOUT,
 FT_MIN_WORKERS, FT_FAULTS (a JSON list of
 {"slot", "restart", "at_least_step", "phase", "action": "kill" | "stop", optional "once": a file name that
@@ -53,16 +54,18 @@ def loss_of(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, batch: list[torch.Tensor],
-               clip: float) -> torch.Tensor:
-    """The ordinary step code, as on one device (the test's reference runs it on the whole global batch)."""
+               clip: float, reduce: object = None) -> torch.Tensor:
+    """The ordinary step code, as on one device (the test's reference runs it on the whole global batch).
+    With ``reduce`` (``strategy.reduce``), returns the loss summed over the workers, reduced before backward."""
     loss = loss_of(model, batch)
+    total = loss.detach() if reduce is None else reduce("SUM", loss.detach())  # type: ignore[operator]
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     sched.step()  # type: ignore[attr-defined]
     opt.zero_grad()
-    return loss.detach()
+    return total
 
 
 def random_hashes() -> dict[str, str]:
@@ -118,13 +121,15 @@ def main() -> int:
     loop.phase_hook = phase
 
     diverge_at = int(os.environ.get("FT_DIVERGE", "-1"))
+    reduce_loss = strategy.reduce if os.environ.get("FT_REDUCE") == "1" else None
+    last_loss = float("nan")
 
     def step_fn(batch: list[torch.Tensor]) -> torch.Tensor:
         torch.rand(()), random.random(), np.random.rand()  # one draw of each generator a step
         if loop.steps == diverge_at and slot == 1:
             with torch.no_grad():
                 model[-1].bias.add_(1.0)  # on this worker only: the agreement check must name it
-        return train_step(model, opt, sched, batch, clip)
+        return train_step(model, opt, sched, batch, clip, reduce_loss)
 
     error = None
     tasks_after_first = None
@@ -137,7 +142,7 @@ def main() -> int:
 
     try:
         while going_on():
-            loop.step(step_fn)
+            last_loss = float(loop.step(step_fn))
             if loop.steps >= steps:
                 time.sleep(0.02)  # waiting for a worker to come back: leave it the CPU
             if tasks_after_first is None:
@@ -149,6 +154,7 @@ def main() -> int:
                           if p in opt.state]) if opt.state else torch.zeros(0)
     result = {
         "slot": slot, "pid": os.getpid(), "restart": restart, "steps": loop.steps, "applied": applied, "sizes": sizes,
+        "loss": last_loss,
         "buffers": {k: v.tolist() for k, v in model.state_dict().items() if k not in dict(model.named_parameters())},
         "healed_at": loop.healed_at, "refused": loop.refused, "aborted": loop.aborted, "error": error,
         "params": flat.tolist(), "momentum": momentum.tolist(), "lr": [g["lr"] for g in opt.param_groups],

@@ -36,17 +36,17 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "torchstrat" in n or "tstrat" in n}
 
 
-def _reference(steps: int, clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(steps: int, clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One device, the whole global batch each step, the workers' step code: the parameters and momentum
-    after ``steps``."""
+    after ``steps``, and the last step's loss."""
     dataset, model = _ft_worker.problem()
     opt, sched = _ft_worker.optimizer_and_scheduler(model)
     data = GlobalBatches(dataset, _ft_worker.GLOBAL_BATCH, seed=7)
     for k in range(steps):
-        _ft_worker.train_step(model, opt, sched, data.local_batch(k, 0, 1), clip)
+        loss = _ft_worker.train_step(model, opt, sched, data.local_batch(k, 0, 1), clip)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
-    return flat, momentum
+    return flat, momentum, float(loss)
 
 
 def _resume_stopped(stopped: dict[int, float]):
@@ -70,13 +70,14 @@ def _resume_stopped(stopped: dict[int, float]):
 
 
 def _run(tmp_path, faults: list[dict], *, nproc: int = 3, max_restarts: int = 2, min_workers: int = 1,
-         wait_full: int | None = None, clip: float = 0.0, batchnorm: bool = False, diverge: int = -1
-         ) -> tuple[list[Worker], list[dict]]:
+         wait_full: int | None = None, clip: float = 0.0, batchnorm: bool = False, diverge: int = -1,
+         reduce: bool = False) -> tuple[list[Worker], list[dict]]:
     shm_before = _shm()
     env = dict(os.environ, FT_OUT=str(tmp_path), FT_STEPS=str(STEPS), FT_TIMEOUT=str(TIMEOUT),
                FT_FAULTS=json.dumps(faults), FT_MIN_WORKERS=str(min_workers),
                FT_WAIT_FULL=str(nproc if wait_full is None else wait_full), FT_CLIP=str(clip),
                FT_BATCHNORM=str(int(batchnorm)), FT_DIVERGE=str(diverge),
+               FT_REDUCE=str(int(reduce)),
                TORCHSTRATEGIES_LOG_LEVEL="ERROR")
     stopped: dict[int, float] = {}
     workers = launch([sys.executable, _ft_worker.__file__], nproc, max_restarts, env=env, timeout=100,
@@ -118,7 +119,7 @@ def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[in
         expected.append(_ft_worker.random_hashes())
     got = {k: final[0][k] for k in ("rng", "py_rng", "np_rng")}
     assert got in expected, (got, expected)
-    params, momentum = _reference(steps, clip)
+    params, momentum, loss = _reference(steps, clip)
     torch.testing.assert_close(torch.tensor(final[0]["params"], dtype=torch.float64), params, rtol=0,
                                atol=TOLERANCE)
     torch.testing.assert_close(torch.tensor(final[0]["momentum"], dtype=torch.float64), momentum, rtol=0,
@@ -150,11 +151,17 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
 @pytest.mark.timeout(150)
 def test_clip_grad_norm_and_a_scheduler_in_step_fn_see_the_global_gradient_under_a_kill(tmp_path):
     # max_norm 1.0 clips most steps of the global gradient (norms 0.5 to 2.0): clipping a member's partial
-    # gradient, or one step applied twice or lost, would leave the parameters far from one device's.
-    fault = {"slot": 0, "restart": 0, "at_least_step": 4, "phase": "all_reduce", "action": "kill"}
-    workers, results = _run(tmp_path, [fault], clip=1.0)
+    # gradient, or one step applied twice or lost, would leave the parameters far from one device's. step_fn
+    # also reduces its loss before backward (part of the step): slot 0 dies as the step starts, so the
+    # survivors' reduce fails, which discards the step, and step_fn is redone by the survivors.
+    fault = {"slot": 0, "restart": 0, "at_least_step": 4, "phase": "forward", "action": "kill"}
+    workers, results = _run(tmp_path, [fault], clip=1.0, reduce=True)
     _check_recovered(workers, results, {0}, clip=1.0)
     assert any(r["aborted"] >= 1 for r in results if r["slot"] != 0)
+    final = [r for r in results if r["pid"] in {w.pids[-1] for w in workers}]
+    _, _, loss = _reference(final[0]["steps"], clip=1.0)
+    for r in final:  # what step_fn returned: the global batch's loss, reduced before backward
+        assert r["loss"] == pytest.approx(loss, rel=0, abs=TOLERANCE)
 
 
 @pytest.mark.timeout(150)
