@@ -259,17 +259,18 @@ class TransactionalLoop:
                 result = step_fn(batch)
             except StepAborted:
                 self._discard(gen, buffers, saved, rng)
+                self.aborted += 1
+                log.warning("step %d discarded in generation %d; forming the next generation", self.steps,
+                            gen.number)
                 continue
-            except BaseException:
+            except BaseException:  # the error goes to the caller, on every member alike
                 if self._phase_of_step is _Phase.COMMITTED:  # applied on every member: it counts
                     self._end_step()
                 else:
                     self._discard(gen, buffers, saved, rng)
-                    self.aborted -= 1  # not discarded to be redone: the error goes to the caller
                 raise
             if self._phase_of_step is not _Phase.COMMITTED:
                 self._discard(gen, buffers, saved, rng)
-                self.aborted -= 1
                 raise RuntimeError(
                     f"fault-tolerant MultiWorkerMirrored: step_fn returned at step {self.steps} without calling "
                     "backward() on a loss of the model's parameters: the end of backward() is the step's commit "
@@ -289,7 +290,6 @@ class TransactionalLoop:
         self._phase_of_step = _Phase.IDLE
         if not self._decided:
             self._membership.commit(gen, self.steps, False)  # the others redo this step without waiting
-        self.aborted += 1
         with torch.no_grad():
             for b, s in zip(buffers, saved):
                 b.copy_(s)
@@ -297,7 +297,6 @@ class TransactionalLoop:
         for f in self._flats:
             for p in f.params:
                 p.grad = None
-        log.warning("step %d discarded in generation %d; forming the next generation", self.steps, gen.number)
         self._leave_group()
 
     def _flats_for_step(self) -> list[Flat]:
