@@ -6,7 +6,8 @@
 The launcher hosts the job's store and restarts a worker that dies, alone. With ``--kill-at K`` worker
 slot 1 kills itself (SIGKILL) in the middle of step K: the other two discard that step, form a new
 generation and redo it with the same global batch split between them; the restarted worker copies the
-live state from one of them and joins at a step boundary. Training computes what the uninterrupted job
+live state from one of them and joins at a step boundary. The step is the ordinary step code (backward,
+clipping, the optimizer and scheduler steps, zero_grad) in ``step_fn``. Training computes what the uninterrupted job
 computes (up to float rounding). The worker that is member 0 of the last generation prints, as its last
 stdout line, ``RESULT {"strategy": "FaultTolerantMultiWorkerMirroredStrategy", "accuracy": ...,
 "steps": ..., "aborted": ...}``.
@@ -58,26 +59,33 @@ def main(argv: list[str] | None = None) -> dict | None:
     total = epochs * len(data)
     victim = os.environ.get("TORCHSTRATEGIES_FT_WORKER") == "1" and os.environ.get("TORCHSTRATEGIES_FT_RESTART") == "0"
 
-    def loss_fn(batch: list[torch.Tensor]) -> torch.Tensor:
+    def step_fn(batch: list[torch.Tensor]) -> torch.Tensor:
+        """The ordinary step code; the loop redoes it if a worker is lost before backward() completes."""
         x, y = batch
         if victim and loop.steps == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step: its all-reduce never happens
         per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
-        return ts.compute_average_loss(per_example, global_batch_size=args.batch_size)
+        loss = ts.compute_average_loss(per_example, global_batch_size=args.batch_size)
+        loss.backward()  # the step's commit point: after it .grad is the global gradient on every worker
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        return loss.detach()  # this worker's rows' share of the global batch's loss
 
-    loss = float("nan")
     try:
         while loop.steps < total:
-            loss = loop.step(loss_fn)  # the global batch's loss, once the step is committed on every worker
+            loop.step(step_fn)
             time.sleep(args.step_seconds)
     except ts.errors.CancelledError as exc:  # restarted after the others had finished: nothing to do
         print(f"worker {os.environ.get('TORCHSTRATEGIES_FT_WORKER')}: {exc}", file=sys.stderr)
         strategy.shutdown()
         return None
 
-    with torch.no_grad():  # every worker holds the same model: evaluate the whole held-out set
+    with torch.no_grad():  # every worker holds the same model: evaluate the whole sets
         x, y = test_set.tensors
         accuracy = float((model(x).argmax(1) == y).float().mean())
+        loss = float(torch.nn.functional.cross_entropy(model(train_set.tensors[0]), train_set.tensors[1]))
     gen = loop.generation
     result = {"strategy": "FaultTolerantMultiWorkerMirroredStrategy", "accuracy": round(accuracy, 4),
               "steps": loop.steps, "aborted": loop.aborted, "loss": round(loss, 4),

@@ -1,23 +1,25 @@
 """Fault-tolerant MultiWorkerMirrored under real processes: a worker killed (SIGKILL) or frozen (SIGSTOP) costs
 no step. Each run: 3 workers under the fault-tolerant launcher (which restarts a dead worker alone, as
 ``torchrun --max-restarts`` would restart the whole job), float64 MLP, SGD with momentum, StepLR, a shuffled
-dataset (tests/_ft_worker.py). Every run checks: the survivors' pids never changed; every step was applied
+dataset, the ordinary step code in ``step_fn`` (backward, optional clip_grad_norm_, optimizer and scheduler
+steps, zero_grad; tests/_ft_worker.py). Every run checks: the survivors' pids never changed; every step was applied
 exactly once by each process that held the state at that step (counted by an optimizer post-hook); the
 final parameters equal one device's run over the same global batches within 1e-12; every worker holds the
-same parameters, momentum, scheduler step and random state bit for bit, the random state being one draw per
-committed step (a discarded step's draw is given back); no thread is left after
+same parameters, momentum, scheduler step and random states (torch, Python, numpy) bit for bit, each being
+one draw per committed step (a discarded step's draws are given back); no thread is left after
 ``shutdown()`` and no shared-memory segment is left.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import random
 import signal
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,19 +36,17 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "torchstrat" in n or "tstrat" in n}
 
 
-def _reference(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One device, the whole global batch each step: the parameters and momentum after ``steps``."""
+def _reference(steps: int, clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One device, the whole global batch each step, the workers' step code: the parameters and momentum
+    after ``steps``, and the last step's loss."""
     dataset, model = _ft_worker.problem()
     opt, sched = _ft_worker.optimizer_and_scheduler(model)
     data = GlobalBatches(dataset, _ft_worker.GLOBAL_BATCH, seed=7)
     for k in range(steps):
-        opt.zero_grad()
-        _ft_worker.loss_of(model, data.local_batch(k, 0, 1)).backward()
-        opt.step()
-        sched.step()  # type: ignore[attr-defined]
+        loss = _ft_worker.train_step(model, opt, sched, data.local_batch(k, 0, 1), clip)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
-    return flat, momentum
+    return flat, momentum, float(loss)
 
 
 def _resume_stopped(stopped: dict[int, float]):
@@ -70,11 +70,15 @@ def _resume_stopped(stopped: dict[int, float]):
 
 
 def _run(tmp_path, faults: list[dict], *, nproc: int = 3, max_restarts: int = 2, min_workers: int = 1,
-         wait_full: int | None = None) -> tuple[list[Worker], list[dict]]:
+         wait_full: int | None = None, clip: float = 0.0, batchnorm: bool = False, diverge: int = -1,
+         reduce: bool = False) -> tuple[list[Worker], list[dict]]:
     shm_before = _shm()
     env = dict(os.environ, FT_OUT=str(tmp_path), FT_STEPS=str(STEPS), FT_TIMEOUT=str(TIMEOUT),
                FT_FAULTS=json.dumps(faults), FT_MIN_WORKERS=str(min_workers),
-               FT_WAIT_FULL=str(nproc if wait_full is None else wait_full), TORCHSTRATEGIES_LOG_LEVEL="ERROR")
+               FT_WAIT_FULL=str(nproc if wait_full is None else wait_full), FT_CLIP=str(clip),
+               FT_BATCHNORM=str(int(batchnorm)), FT_DIVERGE=str(diverge),
+               FT_REDUCE=str(int(reduce)),
+               TORCHSTRATEGIES_LOG_LEVEL="ERROR")
     stopped: dict[int, float] = {}
     workers = launch([sys.executable, _ft_worker.__file__], nproc, max_restarts, env=env, timeout=100,
                      on_tick=_resume_stopped(stopped))
@@ -83,7 +87,7 @@ def _run(tmp_path, faults: list[dict], *, nproc: int = 3, max_restarts: int = 2,
     return workers, results
 
 
-def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[int]) -> None:
+def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[int], clip: float = 0.0) -> None:
     assert all(w.returncode == 0 for w in workers), [(w.slot, w.pids, w.returncode) for w in workers]
     for w in workers:
         if w.slot not in faulted:
@@ -102,18 +106,20 @@ def _check_recovered(workers: list[Worker], results: list[dict], faulted: set[in
         assert before == list(range(len(before))), (r["slot"], before)
         assert r["threads"] == ["MainThread"], r["threads"]
         assert r["tasks_at_end"] <= r["tasks_after_first"], (r["tasks_at_end"], r["tasks_after_first"])
-        for key in ("params", "momentum", "rng", "sched", "lr"):
+        for key in ("params", "momentum", "rng", "py_rng", "np_rng", "sched", "lr"):
             assert r[key] == final[0][key], f"slot {r['slot']} differs from slot {final[0]['slot']} in {key}"
-    # The random state is the first generation's source's (seeded 100 + its slot) after one draw per
-    # committed step: a discarded step's draw was given back.
-    expected_rng = set()
+    # The random states (torch's, Python's, numpy's) are the first generation's source's (seeded 100 + its
+    # slot) after one draw of each per committed step: a discarded step's draws were given back, and a
+    # returning worker received them.
+    expected = []
     for s in range(3):
-        torch.manual_seed(100 + s)
+        _ft_worker.seed_all(100 + s)
         for _ in range(steps):
-            torch.rand(())
-        expected_rng.add(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
-    assert final[0]["rng"] in expected_rng
-    params, momentum = _reference(steps)
+            torch.rand(()), random.random(), np.random.rand()
+        expected.append(_ft_worker.random_hashes())
+    got = {k: final[0][k] for k in ("rng", "py_rng", "np_rng")}
+    assert got in expected, (got, expected)
+    params, momentum, loss = _reference(steps, clip)
     torch.testing.assert_close(torch.tensor(final[0]["params"], dtype=torch.float64), params, rtol=0,
                                atol=TOLERANCE)
     torch.testing.assert_close(torch.tensor(final[0]["momentum"], dtype=torch.float64), momentum, rtol=0,
@@ -140,6 +146,22 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
     # Killed before its all-reduce completed everywhere, the step is redone; killed at "apply" (the
     # decision was commit), it is not: either way no survivor applied a step twice (checked above).
     assert all(r["aborted"] <= 1 for r in survivors)
+
+
+@pytest.mark.timeout(150)
+def test_clip_grad_norm_and_a_scheduler_in_step_fn_see_the_global_gradient_under_a_kill(tmp_path):
+    # max_norm 1.0 clips most steps of the global gradient (norms 0.5 to 2.0): clipping a member's partial
+    # gradient, or one step applied twice or lost, would leave the parameters far from one device's. step_fn
+    # also reduces its loss before backward (part of the step): slot 0 dies as the step starts, so the
+    # survivors' reduce fails, which discards the step, and step_fn is redone by the survivors.
+    fault = {"slot": 0, "restart": 0, "at_least_step": 4, "phase": "forward", "action": "kill"}
+    workers, results = _run(tmp_path, [fault], clip=1.0, reduce=True)
+    _check_recovered(workers, results, {0}, clip=1.0)
+    assert any(r["aborted"] >= 1 for r in results if r["slot"] != 0)
+    final = [r for r in results if r["pid"] in {w.pids[-1] for w in workers}]
+    _, _, loss = _reference(final[0]["steps"], clip=1.0)
+    for r in final:  # what step_fn returned: the global batch's loss, reduced before backward
+        assert r["loss"] == pytest.approx(loss, rel=0, abs=TOLERANCE)
 
 
 @pytest.mark.timeout(150)
@@ -191,3 +213,52 @@ def test_fewer_live_workers_than_min_workers_stops_the_job_with_a_named_error(tm
     assert survivor["error"].startswith("MembershipBelowMinimumError")
     assert "min_workers=2" in survivor["error"]
     assert [w.returncode for w in workers] == [3, -signal.SIGKILL]
+
+
+@pytest.mark.timeout(150)
+def test_batchnorm_running_mean_is_the_global_batch_s_and_the_variance_follows_the_documented_rule(tmp_path):
+    # A BatchNorm1d on the input, 3 workers, one killed at step 4 (the step is redone by 2, then 3 again).
+    # Each member's forward normalizes with its own rows' statistics (plain BatchNorm: the parameters are
+    # not one device's, only equal on every worker); its running statistics are summed weighted by its share
+    # of the rows. So running_mean is the global batch's mean, exactly (up to rounding), and running_var is
+    # the rows-weighted mean of the members' unbiased variances (docs/fault_tolerance.md, BatchNorm).
+    fault = {"slot": 2, "restart": 0, "at_least_step": 4, "phase": "forward", "action": "kill"}
+    workers, results = _run(tmp_path, [fault], batchnorm=True)
+    assert all(w.returncode == 0 for w in workers)
+    final = [r for r in results if r["pid"] in {w.pids[-1] for w in workers}]
+    for r in final:
+        assert r["buffers"] == final[0]["buffers"] and r["params"] == final[0]["params"]
+    survivor = next(r for r in results if r["slot"] == 0)
+    steps = survivor["steps"]
+    assert survivor["applied"] == list(range(steps)) and 2 in survivor["sizes"] and 3 in survivor["sizes"]
+    dataset, _ = _ft_worker.problem()
+    data = GlobalBatches(dataset, _ft_worker.GLOBAL_BATCH, seed=7)
+    mean, var, one_device_var = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64), \
+        torch.ones(6, dtype=torch.float64)
+    for k, n in enumerate(survivor["sizes"]):
+        x = data.local_batch(k, 0, 1)[0]
+        mean = 0.9 * mean + 0.1 * x.mean(0)
+        one_device_var = 0.9 * one_device_var + 0.1 * x.var(0)
+        parts = [data.local_batch(k, i, n)[0] for i in range(n)]
+        var = 0.9 * var + 0.1 * sum(len(p) / len(x) * p.var(0) for p in parts)
+    got = final[0]["buffers"]
+    torch.testing.assert_close(torch.tensor(got["0.running_mean"], dtype=torch.float64), mean, rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(torch.tensor(got["0.running_var"], dtype=torch.float64), var, rtol=0, atol=TOLERANCE)
+    # ... and the rule is not one device's variance
+    assert (torch.tensor(got["0.running_var"], dtype=torch.float64) - one_device_var).abs().max() > 1e-3
+    assert got["0.num_batches_tracked"] == steps
+
+
+@pytest.mark.timeout(150)
+def test_the_per_step_agreement_check_names_a_parameter_written_on_one_worker_only(tmp_path):
+    # At step 5 slot 1 adds 1 to the last layer's bias before backward: the MultiWorkerMirrored agreement
+    # check at the commit point names it on every member, and the step is discarded everywhere.
+    workers, results = _run(tmp_path, [], max_restarts=0, diverge=5)
+    assert len(results) == 3 and [w.returncode for w in workers] == [3, 3, 3]
+    for r in results:
+        assert r["steps"] == 5 and r["applied"] == list(range(5)), (r["slot"], r["applied"])
+        # The generation's 6th step (its ranks are the registration order: slot 1 may be rank 0, then the
+        # message names the other two as differing from it).
+        assert r["error"].startswith("ReplicaDivergenceError: The parameter Sequential.2.bias differs between "
+                                     "the ranks at optimizer step 6: rank"), r["error"]
+        assert "written in place outside the optimizer" in r["error"], r["error"]

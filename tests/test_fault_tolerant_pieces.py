@@ -115,14 +115,22 @@ def test_a_one_worker_job_trains_as_plain_torch_and_a_second_loop_is_refused(sto
     with pytest.raises(RuntimeError, match="already has a training loop"):
         strategy.training_loop(model, opt, data)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+
+    def step_fn(b):
+        opt.zero_grad()  # at the start this time: backward then makes .grad tensors of its own
+        loss = ((model(b[0]) - b[1]) ** 2).sum() / 8
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
     for k in range(7):
-        loss = loop.step(lambda b: ((model(b[0]) - b[1]) ** 2).sum() / 8)
+        loss = loop.step(step_fn)
         x, y = data.local_batch(k, 0, 1)
         ref_opt.zero_grad()
         ref_loss = ((reference(x) - y) ** 2).sum() / 8
         ref_loss.backward()
         ref_opt.step()
-        assert loss == pytest.approx(float(ref_loss.detach()), rel=1e-14)
+        assert float(loss) == pytest.approx(float(ref_loss.detach()), rel=1e-14)
     assert loop.steps == 7 and loop.aborted == 0 and strategy.num_replicas_in_sync == 1
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
@@ -137,7 +145,7 @@ def test_a_job_below_min_workers_stops_with_the_named_error(store_address):
     loop = strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(8, 2)), 4))
     with pytest.raises(MembershipBelowMinimumError, match=r"generation 1 has 1 live worker.*min_workers=2"):
-        loop.step(lambda b: model(b[0]).sum())
+        loop.step(lambda b: model(b[0]).sum().backward())
     strategy.shutdown()
 
 
@@ -164,15 +172,23 @@ def test_a_worker_that_comes_back_after_the_job_finished_is_told_so(store_addres
             store=store_address, world_size=1, timeout_seconds=5.0, heartbeat_seconds=0.05, dead_after_seconds=0.3))
         model = torch.nn.Linear(2, 1)
         data = ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(8, 2)), 4)
-        return strategy, strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data), model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return strategy, strategy.training_loop(model, opt, data), (model, opt)
 
-    first, loop, model = job()
+    def step_fn(m, opt):
+        def fn(b):
+            m(b[0]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return fn
+
+    first, loop, (model, opt) = job()
     for _ in range(3):
-        loop.step(lambda b: model(b[0]).sum())
+        loop.step(step_fn(model, opt))
     first.shutdown()  # the job's only member ends its training
-    late, late_loop, late_model = job()
+    late, late_loop, (late_model, late_opt) = job()
     with pytest.raises(CancelledError, match="finished at step 3 before this worker could rejoin"):
-        late_loop.step(lambda b: late_model(b[0]).sum())
+        late_loop.step(step_fn(late_model, late_opt))
     late.shutdown()
 
 
@@ -186,13 +202,87 @@ def test_a_one_worker_job_with_batchnorm_keeps_the_running_statistics_of_plain_t
     strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
         ts.FaultTolerance(store=store_address, world_size=1, timeout_seconds=5.0))
     data = ts.GlobalBatches(dataset, global_batch_size=8, seed=2)
-    loop = strategy.training_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = strategy.training_loop(model, opt, data)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step_fn(b):
+        (model(b[0]).pow(2).sum() / 8).backward()
+        opt.step()
+        opt.zero_grad()
+
     for k in range(4):
-        loop.step(lambda b: model(b[0]).pow(2).sum() / 8)
+        loop.step(step_fn)
         ref_opt.zero_grad()
         (reference(data.local_batch(k, 0, 1)[0]).pow(2).sum() / 8).backward()
         ref_opt.step()
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-14, msg=name)
     strategy.shutdown()
+
+
+def _one_worker_job(store_address, model):
+    strategy = ts.FaultTolerantMultiWorkerMirroredStrategy(
+        ts.FaultTolerance(store=store_address, world_size=1, timeout_seconds=5.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = strategy.training_loop(model, opt, ts.GlobalBatches(torch.utils.data.TensorDataset(torch.randn(16, 2)), 4))
+    return strategy, opt, loop
+
+
+@pytest.mark.timeout(60)
+def test_step_fn_misuse_is_named_and_a_collective_after_the_commit_point_is_refused(store_address):
+    from torchstrategies.errors import CollectiveAfterCommitError
+
+    model = torch.nn.Linear(2, 1)
+    strategy, opt, loop = _one_worker_job(store_address, model)
+
+    def reduce_after_backward(b):
+        loss = model(b[0]).sum()
+        before = strategy.reduce("SUM", loss.detach())  # before the commit point: part of the step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return before, strategy.reduce("SUM", loss.detach())
+
+    with pytest.raises(CollectiveAfterCommitError, match="strategy.reduce in step_fn after loss.backward"):
+        loop.step(reduce_after_backward)
+    assert loop.steps == 1  # committed and applied before the error: it counts once
+    with pytest.raises(RuntimeError, match="returned at step 1 without calling backward"):
+        loop.step(lambda b: model(b[0]).sum())
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) before the commit point"):
+        loop.step(lambda b: opt.step())
+
+    def twice(b):
+        model(b[0]).sum().backward()
+        model(b[0]).sum().backward()
+
+    with pytest.raises(RuntimeError, match="a second backward"):
+        loop.step(twice)
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) outside a step"):
+        opt.step()
+    assert loop.steps == 2 and loop.aborted == 0
+    strategy.shutdown()
+
+
+def test_the_random_states_round_trip_through_the_typed_header():
+    import random
+
+    import numpy as np
+
+    from torchstrategies.strategies.fault_tolerance import random_states
+
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    random.gauss(0, 1)
+    np.random.randn()  # a cached Gaussian in both
+    header, tensors = encode(random_states.capture(torch.device("cpu")))
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), float(torch.rand(())))
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    random_states.restore(decode(header, [t.clone() for t in tensors]), torch.device("cpu"))
+    assert (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), float(torch.rand(()))) == expected
+    with pytest.raises(ValueError, match="python.mt"):
+        random_states.restore({"torch": torch.get_rng_state(), "python": {"version": 3, "mt": [1], "gauss": None}},
+                              torch.device("cpu"))

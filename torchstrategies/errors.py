@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "UnavailableError", "DeadlineExceededError", "CancelledError", "TorchStrategiesError", "ReplicaDivergenceError",
-    "MembershipBelowMinimumError", "CheckpointError",
+    "MembershipBelowMinimumError", "CollectiveAfterCommitError", "CheckpointError",
 ]
 
 
@@ -48,6 +48,13 @@ class ReplicaDivergenceError(TorchStrategiesError):
 class MembershipBelowMinimumError(UnavailableError):
     """A fault-tolerant MultiWorkerMirrored job has fewer live workers than ``FaultTolerance.min_workers``:
     the message names the generation, its members and the minimum."""
+
+
+class CollectiveAfterCommitError(TorchStrategiesError):
+    """A fault-tolerant MultiWorkerMirrored step asked for a collective (``strategy.reduce``, a gather) after
+    its commit point, the end of ``loss.backward()``: the step is then applied on every member, and a collective
+    that a lost member makes fail could no longer be undone (some members would hold its result, others not).
+    Raised on every member, before anything is sent; the message names the step and where to move the call."""
 
 
 class CheckpointError(ValueError):

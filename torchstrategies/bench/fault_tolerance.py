@@ -64,12 +64,14 @@ def _ft_row(implementation: str) -> Callable[[BenchContext], tuple[Callable[[], 
         data = ts.GlobalBatches(range(global_batch), global_batch, shuffle=False, collate_fn=lambda _: (x, y))
         loop = strategy.training_loop(model, opt, data)
 
-        def loss_fn(batch: tuple[Any, Any]) -> Any:
+        def step_fn(batch: tuple[Any, Any]) -> None:  # the mwms rows' step code
             bx, by = batch
-            return torch.nn.functional.cross_entropy(model(bx), by, reduction="none").sum() / global_batch
+            torch.nn.functional.cross_entropy(model(bx), by, reduction="none").sum().div(global_batch).backward()
+            opt.step()
+            opt.zero_grad()
 
         def step() -> None:
-            loop.step(loss_fn)
+            loop.step(step_fn)
 
         def teardown() -> None:
             strategy.shutdown()
@@ -123,18 +125,20 @@ def _ft_worker(spec: dict[str, Any], out: str) -> None:
     global_batch = spec["batch"] * spec["nproc"]
     loop = strategy.training_loop(model, opt, ts.GlobalBatches(_dataset(spec), global_batch, seed=0))
 
-    def loss_fn(batch: list[Any]) -> Any:
+    def step_fn(batch: list[Any]) -> None:
         if victim and loop.steps == spec["kill_at"]:
             _kill_self(out)
         x, y = batch
-        return ts.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none"),
-                                       global_batch_size=global_batch)
+        ts.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none"),
+                                global_batch_size=global_batch).backward()
+        opt.step()
+        opt.zero_grad()
 
     log = os.path.join(out, f"ft.{slot}.{os.getpid()}.log")
     # After ``steps``, go on (up to 20x) until the restarted worker is back, so its heal is measured too.
     while loop.steps < spec["steps"] or (loop.steps < 20 * spec["steps"] and
                                          (loop.generation is None or loop.generation.size < spec["nproc"])):
-        loop.step(loss_fn)
+        loop.step(step_fn)
         _log(log, loop.steps - 1)
     strategy.shutdown()
 

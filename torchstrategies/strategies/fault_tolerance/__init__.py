@@ -4,7 +4,8 @@
 * ``membership.py``: generations and the commit of each step, in the launcher's TCPStore.
 * ``state_transfer.py``: a live member's state sent to a returning one (tensors and a JSON header).
 * ``global_batches.py``: ``GlobalBatches``, the fixed sequence of global batches split among the members.
-* ``loop.py``: ``TransactionalLoop``, the step as a transaction.
+* ``loop.py``: ``TransactionalLoop``, the user's ``step_fn`` as a transaction (commit point: the end of backward).
+* ``random_states.py``: torch's, CUDA's, Python's and numpy's random states, given back on abort and healed.
 * ``strategy.py``: ``FaultTolerantMultiWorkerMirroredStrategy``.
 * ``launch.py``: the launcher that hosts the store and restarts each worker alone.
 """

@@ -1,79 +1,90 @@
-"""``TransactionalLoop``: the training step of a fault-tolerant job, as a transaction.
+"""``TransactionalLoop``: the training step of a fault-tolerant job, as a transaction around the user's own
+step code.
 
-One :meth:`TransactionalLoop.step`:
+One :meth:`TransactionalLoop.step` (``step_fn(batch)``: forward, ``loss.backward()``, any clipping,
+``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``, as under every strategy):
 
 1. If this worker has no group (start, after a fault, or when workers wait to join), it forms the next
    generation (``membership.py``), makes the generation's group and, if a member lacks the live state,
    copies it from a member that has it (``state_transfer.py``).
-2. It snapshots what the forward may change (the model's buffers, the torch random state), runs
-   ``loss_fn`` on its part of global batch ``steps`` (``global_batches.py``) and ``backward()``.
-3. The gradients (which backward wrote into one flat buffer per dtype), one "had a gradient" flag per
-   parameter, the buffers weighted by this member's share of the rows, and the loss are summed over the
-   group in ONE all-reduce per dtype.
-4. The step's decision (``Membership.commit``): committed only if that all-reduce completed on every
-   member. Committed: the gradients are written back, the optimizer and the scheduler step, ``steps``
-   grows by one. Discarded: buffers and random state are restored, nothing else was touched; the worker
-   forms the next generation and runs the same global batch again, split among the survivors.
+2. It snapshots what ``step_fn`` may change before its commit point (the model's buffers, the random states
+   of ``random_states.py``) and calls ``step_fn`` on its part of global batch ``steps``
+   (``global_batches.py``), with every trainable parameter's ``.grad`` a view into one flat buffer per dtype.
+3. **The commit point is the end of ``loss.backward()``** (a callback the first gradient hook queues in the
+   autograd engine, as DDP's reducer does): there the per-step agreement check runs (the MultiWorkerMirrored
+   one, ``strategies/_agreement.py``, over the generation's group), then the gradients, one "had a gradient"
+   flag per parameter and the MEAN buffers weighted by this member's share of the rows are summed over the
+   group in ONE all-reduce per dtype, and the step's one decision is taken (``Membership.commit``).
+   Committed: ``.grad`` holds the global gradient and the buffers their global value when ``backward()``
+   returns; what ``step_fn`` does next (clipping, the optimizer, the scheduler, a GradScaler) runs as under
+   MultiWorkerMirrored and the step counts once. Discarded (a collective failed on some member, or before
+   the commit point: a collective ``step_fn`` asked for failed): an internal exception unwinds ``step_fn``
+   out of ``backward()`` before anything was applied; the buffers and random states are restored, the worker
+   forms the next generation and calls ``step_fn`` again on the same global batch split among the survivors.
 
-The sum over the members is the sum over the global batch's rows in another grouping, so a run that lost
-and regained workers ends at the uninterrupted run's parameters up to float rounding of that sum.
+After the commit point a collective cannot be part of the step (a lost member would leave some members with
+its result and others without): ``strategy.reduce`` there raises ``CollectiveAfterCommitError`` on every
+member, before anything is sent. The sum over the members is the sum over the global batch's rows in another
+grouping, so a run that lost and regained workers ends at the uninterrupted run's parameters up to float
+rounding of that sum.
 """
 
 from __future__ import annotations
 
-import datetime
+import enum
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.distribute.buffers import is_mean_buffer
-from torchstrategies.errors import CancelledError, MembershipBelowMinimumError, UnavailableError
+from torchstrategies.errors import (
+    CancelledError,
+    CollectiveAfterCommitError,
+    MembershipBelowMinimumError,
+    ReplicaDivergenceError,
+    UnavailableError,
+)
+from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies._agreement import WorkerAgreement
+from torchstrategies.strategies.fault_tolerance import random_states
 from torchstrategies.strategies.fault_tolerance.global_batches import GlobalBatches
+from torchstrategies.strategies.fault_tolerance.group import (
+    CollectiveFailed,
+    Flat,
+    Group,
+    all_reduce,
+    make_group,
+)
 from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership, Refused
 from torchstrategies.strategies.fault_tolerance.state_transfer import broadcast_state
 
-__all__ = ["TransactionalLoop", "make_group"]
+__all__ = ["TransactionalLoop", "StepAborted"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
-Group = Any  # a c10d ProcessGroupGloo or our backend: both have allreduce / broadcast returning a Work
+
+class StepAborted(BaseException):
+    """The step in flight was discarded (a collective failed on some member before the commit point).
+
+    Internal: raised inside ``step_fn`` (out of ``loss.backward()`` or a collective) to unwind it before
+    anything is applied; :meth:`TransactionalLoop.step` catches it and redoes the step. A ``BaseException``,
+    so that an ``except Exception`` in ``step_fn`` does not swallow it."""
 
 
-def make_group(store: dist.Store, gen: Generation, timeout: float, implementation: CommunicationImplementation
-               ) -> Group:
-    """The generation's group, over its own key prefix (a collective of the generation's members)."""
-    prefixed = dist.PrefixStore(f"g{gen.number}/pg/", store)
-    if implementation is CommunicationImplementation.GLOO:
-        return dist.ProcessGroupGloo(prefixed, gen.index, gen.size, datetime.timedelta(seconds=timeout))
-    from torchstrategies.collectives import backend
-
-    impl = backend._implementation(implementation.name)
-    return backend.make(prefixed, gen.index, gen.size, timeout, list(range(gen.size)),
-                        f"fault-tolerant generation {gen.number}", impl)
-
-
-class _Flat:
-    """One dtype's part of the step's all-reduce: the gradients (the parameters' ``.grad`` are views into
-    it during backward), then the float buffers of that dtype, then (in the first) flags and the loss."""
-
-    def __init__(self, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], extra: int) -> None:
-        p0 = (params or buffers)[0]
-        self.params, self.buffers = params, buffers
-        sizes = [t.numel() for t in params] + [b.numel() for b in buffers]
-        self.flat = torch.zeros(sum(sizes) + extra, dtype=p0.dtype, device=p0.device)
-        self.views, off = [], 0
-        for t, n in zip(list(params) + list(buffers), sizes):
-            self.views.append(self.flat[off:off + n].view_as(t))
-            off += n
-        self.extra = self.flat[off:]
+class _Phase(enum.Enum):
+    IDLE = "outside a step"
+    OPEN = "before the commit point"
+    COMMITTING = "at the commit point"
+    COMMITTED = "after the commit point"
 
 
 class TransactionalLoop:
-    """Runs training steps that every live worker applies or none does (see the module docstring).
+    """Runs the user's training steps so that every live worker applies each one or none does (see the module
+    docstring).
 
     Made by ``FaultTolerantMultiWorkerMirroredStrategy.training_loop``; every worker makes one with the same
     model, optimizer, scheduler and data.
@@ -102,10 +113,18 @@ class TransactionalLoop:
         self.refused = 0
         self.healed_at: int | None = None
         self.phase_hook: Callable[[str], None] | None = None
-        self._flats: list[_Flat] = []
+        self._flats: list[Flat] = []
         self._layout: list[tuple[torch.nn.Parameter, torch.dtype, torch.Size]] = []
         self._had = torch.zeros(0)
         self._hooks: list[Any] = []
+        self._phase_of_step = _Phase.IDLE
+        self._decided = False        # this member took part in the step's decision
+        self._joiners = 0            # registrations waiting for the next generation (the decision's count)
+        self._share = 0.0            # this member's rows / the global batch's
+        self._stepped = False        # the optimizer stepped in this step
+        self._agreement: WorkerAgreement | None = None
+        self._optimizer_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
+                                 optimizer.register_step_post_hook(self._after_optimizer_step)]
 
     def _phase(self, name: str) -> None:
         if self.phase_hook is not None:
@@ -139,6 +158,8 @@ class TransactionalLoop:
                 self.group = None
                 continue
             self.generation = gen
+            self._agreement = None if gen.size == 1 else WorkerAgreement(
+                self._group_all_reduce, gen.index, gen.size, self._device, [weakref.ref(self.model)])
             self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
@@ -167,9 +188,7 @@ class TransactionalLoop:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["rng"].cpu())
-            if self._device.type == "cuda":
-                torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self._device)
+            random_states.restore(state["random"], self._device)
             self.healed_at = int(state["steps"])
         self.steps = int(state["steps"])
         self._stateful = True
@@ -179,48 +198,43 @@ class TransactionalLoop:
     def _live_state(self) -> dict[str, object]:
         return {"steps": self.steps, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state(self._device) if self._device.type == "cuda" else None}
+                "random": random_states.capture(self._device)}
+
+    def _group_all_reduce(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The agreement check's collective: over the generation's group (``CollectiveFailed`` on failure)."""
+        assert self.group is not None
+        all_reduce(self.group, op, tensors)
+        return tensors
 
     def _leave_group(self) -> None:
         self._membership.end()
         self.group = None
         self.generation = None
+        self._agreement = None
 
     # --- the step ---------------------------------------------------------------------------------------------
-    def _flats_for_step(self) -> list[_Flat]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        layout = [(p, p.dtype, p.shape) for p in params]
-        if len(layout) != len(self._layout) or any(a[0] is not b[0] or a[1:] != b[1:]
-                                                    for a, b in zip(layout, self._layout)):
-            self._layout = layout
-            buffers = [b for m in self.model.modules() for name, b in m._buffers.items()
-                       if b is not None and b.is_floating_point() and is_mean_buffer(m, name)]
-            dtypes = list(dict.fromkeys([p.dtype for p in params] + [b.dtype for b in buffers]))
-            self._flats = [_Flat([p for p in params if p.dtype == d], [b for b in buffers if b.dtype == d],
-                                 len(params) + 1 if i == 0 else 0) for i, d in enumerate(dtypes)]
-            self._had = torch.zeros(len(params))
-            for h in self._hooks:
-                h.remove()
-            self._hooks = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(params)]
-        return self._flats
-
-    def _marker(self, i: int) -> Callable[[torch.Tensor], None]:
-        def mark(_: torch.Tensor) -> None:
-            self._had[i] = 1.0
-        return mark
-
-    def step(self, loss_fn: Callable[[Any], torch.Tensor]) -> float:
-        """Runs global batch ``steps`` until it is committed; returns its loss (summed over the members).
+    def step(self, step_fn: Callable[[Any], Any]) -> Any:
+        """Runs ``step_fn`` on this worker's part of global batch ``steps`` until the step is committed.
 
         Args:
-            loss_fn: ``loss_fn(local_batch) -> loss`` over this worker's rows, divided by the GLOBAL batch
-                size (``ts.compute_average_loss(..., global_batch_size=B)``); the loop calls ``backward``.
+            step_fn: ``step_fn(local_batch)``: the ordinary step code over this worker's rows: the loss
+                divided by the GLOBAL batch size (``ts.compute_average_loss(..., global_batch_size=B)``),
+                ``loss.backward()`` once (after which ``.grad`` is the global gradient), then clipping,
+                ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()`` as on one device. It
+                may run more than once for one step (redone after a discarded attempt): what it changes
+                before ``backward()`` returns, other than the model's buffers and the random states, is not
+                rolled back.
+
+        Returns:
+            What ``step_fn`` returned in the committed attempt.
 
         Raises:
             MembershipBelowMinimumError: fewer live workers than ``min_workers``.
             CancelledError: this worker came back after the job finished (a member's ``shutdown()``).
             UnavailableError: no live worker holds the job's state any more.
+            CollectiveAfterCommitError: ``step_fn`` asked for a collective after ``backward()``.
+            RuntimeError: ``step_fn`` did not call ``backward()``, called it twice, or stepped the optimizer
+                before it or twice.
         """
         while True:
             if self.group is None:
@@ -230,68 +244,124 @@ class TransactionalLoop:
             flats = self._flats_for_step()
             buffers = list(self.model.buffers())
             saved = [b.clone() for b in buffers]
-            rng = torch.get_rng_state()
+            rng = random_states.RandomStates(self._device)
             batch = self.data.local_batch(self.steps, gen.index, gen.size)
-            share = len(self.data.local_indices(self.steps, gen.index, gen.size)) / self.data.global_batch_size
+            self._share = len(self.data.local_indices(self.steps, gen.index, gen.size)) / self.data.global_batch_size
             for f in flats:
                 f.flat.zero_()
                 for p, v in zip(f.params, f.views):
                     p.grad = v
             self._had.zero_()
+            self._decided, self._joiners, self._stepped = False, 0, False
+            self._phase_of_step = _Phase.OPEN
             try:
                 self._phase("forward")
-                loss = loss_fn(batch)
-                loss.backward()
-            except BaseException:
-                self._restore(buffers, saved, rng)
-                self._membership.commit(gen, self.steps, False)  # the others redo this step without us
-                self._leave_group()
+                result = step_fn(batch)
+            except StepAborted:
+                self._discard(gen, buffers, saved, rng)
+                self.aborted += 1
+                log.warning("step %d discarded in generation %d; forming the next generation", self.steps,
+                            gen.number)
+                continue
+            except BaseException:  # the error goes to the caller, on every member alike
+                if self._phase_of_step is _Phase.COMMITTED:  # applied on every member: it counts
+                    self._end_step()
+                else:
+                    self._discard(gen, buffers, saved, rng)
                 raise
-            ok = self._all_reduce(flats, loss, share)
-            committed, joiners = self._membership.commit(gen, self.steps, ok)
-            if committed:
-                self._phase("apply")
-                total = self._apply(flats)
-                self.steps += 1
-                if joiners:
-                    self._leave_group()  # workers wait to join: the next step forms a generation with them
-                return total
-            self.aborted += 1
-            self._restore(buffers, saved, rng)
-            for f in flats:
-                for p in f.params:
-                    p.grad = None
-            log.warning("step %d discarded in generation %d; forming the next generation", self.steps, gen.number)
-            self._leave_group()
+            if self._phase_of_step is not _Phase.COMMITTED:
+                self._discard(gen, buffers, saved, rng)
+                raise RuntimeError(
+                    f"fault-tolerant MultiWorkerMirrored: step_fn returned at step {self.steps} without calling "
+                    "backward() on a loss of the model's parameters: the end of backward() is the step's commit "
+                    "point, so the step was discarded on every member")
+            self._end_step()
+            return result
 
-    def _all_reduce(self, flats: list[_Flat], loss: torch.Tensor, share: float) -> bool:
+    def _end_step(self) -> None:
+        self._phase_of_step = _Phase.IDLE
+        self.steps += 1
+        if self._joiners:
+            self._leave_group()  # workers wait to join: the next step forms a generation with them
+
+    def _discard(self, gen: Generation, buffers: list[torch.Tensor], saved: list[torch.Tensor],
+                 rng: random_states.RandomStates) -> None:
+        """Unwinds an attempt that did not commit: nothing of it stays, and this member leaves the group."""
+        self._phase_of_step = _Phase.IDLE
+        if not self._decided:
+            self._membership.commit(gen, self.steps, False)  # the others redo this step without waiting
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+        rng.restore()
+        for f in self._flats:
+            for p in f.params:
+                p.grad = None
+        self._leave_group()
+
+    def _flats_for_step(self) -> list[Flat]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        layout = [(p, p.dtype, p.shape) for p in params]
+        if len(layout) != len(self._layout) or any(a[0] is not b[0] or a[1:] != b[1:]
+                                                    for a, b in zip(layout, self._layout)):
+            self._layout = layout
+            buffers = [b for m in self.model.modules() for name, b in m._buffers.items()
+                       if b is not None and b.is_floating_point() and is_mean_buffer(m, name)]
+            dtypes = list(dict.fromkeys([p.dtype for p in params] + [b.dtype for b in buffers]))
+            self._flats = [Flat([p for p in params if p.dtype == d], [b for b in buffers if b.dtype == d],
+                                 len(params) if i == 0 else 0) for i, d in enumerate(dtypes)]
+            self._had = torch.zeros(len(params))
+            for h in self._hooks:
+                h.remove()
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i)) for i, p in enumerate(params)]
+        return self._flats
+
+    def _on_grad(self, i: int) -> Callable[[torch.Tensor], None]:
+        def on_grad(_: torch.Tensor) -> None:
+            if self._phase_of_step is _Phase.OPEN:
+                self._phase_of_step = _Phase.COMMITTING
+                torch.autograd.Variable._execution_engine.queue_callback(self._commit_point)
+            elif self._phase_of_step is _Phase.COMMITTED:
+                raise RuntimeError(
+                    f"fault-tolerant MultiWorkerMirrored: a second backward() in step {self.steps}: the end of "
+                    "the first was the step's commit point and its gradients are applied; call backward() once "
+                    "per step_fn (accumulate micro-batches' losses into one loss)")
+            self._had[i] = 1.0
+        return on_grad
+
+    def _commit_point(self) -> None:
+        """The end of ``backward()``: the agreement check, the step's all-reduce and its one decision."""
+        gen = self.generation
+        assert gen is not None and self.group is not None
+        flats = self._flats
         with torch.no_grad():
             for f in flats:
                 for p, v in zip(f.params, f.views):
                     if p.grad is not None and p.grad.data_ptr() != v.data_ptr():
-                        v.copy_(p.grad)  # autograd replaced the view (e.g. a gradient of another layout)
+                        v.copy_(p.grad)  # zero_grad() before backward, or another layout: not our view
                 for b, v in zip(f.buffers, f.views[len(f.params):]):
-                    v.copy_(b).mul_(share)
-            extra = flats[0].extra
-            n = len(self._had)
-            extra[:n].copy_(self._had)
-            extra[n].copy_(loss.detach())
+                    v.copy_(b).mul_(self._share)
+            flats[0].extra.copy_(self._had)
         self._phase("all_reduce")
+        ok = True
         try:
-            assert self.group is not None
+            if self._agreement is not None:
+                self._agreement.before_step(self.optimizer, True)
             for f in flats:
                 self.group.allreduce([f.flat]).wait()
-        except RuntimeError as exc:
-            log.warning("step %d: all-reduce failed in generation %s: %s", self.steps,
-                        None if self.generation is None else self.generation.number, exc)
-            return False
-        self._phase("commit")
-        return True
-
-    def _apply(self, flats: list[_Flat]) -> float:
-        extra = flats[0].extra
-        n = len(self._had)
-        had = extra[:n].tolist()
+        except ReplicaDivergenceError:
+            raise  # the same on every member: the step is discarded and the error goes to the caller
+        except (CollectiveFailed, RuntimeError) as exc:
+            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, exc)
+            ok = False
+        if ok:
+            self._phase("commit")
+        committed, self._joiners = self._membership.commit(gen, self.steps, ok)
+        self._decided = True
+        if not committed:
+            raise StepAborted(f"step {self.steps} discarded in generation {gen.number}")
+        self._phase("apply")
+        had = flats[0].extra.tolist()
         i = 0
         with torch.no_grad():
             for f in flats:
@@ -300,22 +370,58 @@ class TransactionalLoop:
                     i += 1
                 for b, v in zip(f.buffers, f.views[len(f.params):]):
                     b.copy_(v)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return float(extra[n].item())
+        self._phase_of_step = _Phase.COMMITTED
 
-    @staticmethod
-    def _restore(buffers: list[torch.Tensor], saved: list[torch.Tensor], rng: torch.Tensor) -> None:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)
-        torch.set_rng_state(rng)
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._phase_of_step is not _Phase.COMMITTED or self._stepped:
+            where = "twice in one step" if self._stepped else self._phase_of_step.value
+            raise RuntimeError(
+                f"fault-tolerant MultiWorkerMirrored: optimizer.step() {where} (step {self.steps}): the loop's "
+                "optimizer steps once per loop.step(step_fn), inside step_fn after loss.backward() (the step's "
+                "commit point), so that every member applies the same committed gradients")
+        self._stepped = True
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._agreement is not None:
+            self._agreement.after_step(optimizer)
+
+    # --- collectives that step_fn asks for ---------------------------------------------------------------------
+    def all_reduce(self, op: ReduceOp, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """``tensors`` reduced in place over the current generation (``what``: the caller, for errors).
+
+        Before the commit point a failure discards the step (``StepAborted``: ``step_fn`` is redone); outside
+        a step a failure, or no current generation, raises ``UnavailableError`` (the next step forms one).
+
+        Raises:
+            CollectiveAfterCommitError: asked for after the step's commit point.
+        """
+        state = self._phase_of_step
+        if state is _Phase.COMMITTED or state is _Phase.COMMITTING:
+            raise CollectiveAfterCommitError(
+                f"fault-tolerant MultiWorkerMirrored: {what} in step_fn after loss.backward() of step {self.steps}: "
+                "the end of backward() is the step's commit point, after which a collective that a lost member "
+                "makes fail could not be undone. Call it before loss.backward() (it is then part of the step: a "
+                "lost member discards and redoes the step), or on what step_fn returns, after loop.step()")
+        gen, group = self.generation, self.group
+        if gen is None or group is None:
+            raise UnavailableError(
+                f"fault-tolerant MultiWorkerMirrored: {what} outside a step between generations (after step "
+                f"{self.steps} this worker left its group: a member was lost or workers wait to join); the next "
+                "loop.step forms the next generation. Reduce in step_fn before loss.backward(), or after loop.step")
+        if gen.size == 1:
+            return tensors
+        try:
+            all_reduce(group, op, tensors)
+        except CollectiveFailed as exc:
+            if state is _Phase.OPEN:
+                raise StepAborted(str(exc)) from None
+            raise UnavailableError(f"{what} over generation {gen.number} failed: {exc}") from exc
+        return tensors
 
     def close(self) -> None:
         if self.generation is not None:  # a member in good standing ends the job's training here
             self._membership.mark_finished(self.steps)
-        for h in self._hooks:
+        for h in self._hooks + self._optimizer_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._optimizer_hooks = [], []
         self._leave_group()

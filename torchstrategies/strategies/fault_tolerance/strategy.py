@@ -4,8 +4,9 @@ worker dies (docs/fault_tolerance.md, "Fault-tolerant MultiWorkerMirrored").
 The strategy places what is made in its scope on the worker's device (``cuda:LOCAL_RANK`` or cpu), joins
 the job's membership in the launcher's TCPStore, and hands out the :class:`TransactionalLoop` that runs
 each step as a transaction over the live workers. ``num_replicas_in_sync`` is the current generation's
-size; ``strategy.reduce`` outside a step sums over the current generation (it raises ``UnavailableError``
-if a member is lost meanwhile: the next step forms a new generation).
+size. ``strategy.reduce`` in ``step_fn`` before ``loss.backward()`` is part of the step (a lost member discards
+and redoes it), after it raises ``CollectiveAfterCommitError``; outside a step it reduces over the current
+generation (``UnavailableError`` if a member is lost meanwhile: the next step forms a new generation).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
-from torchstrategies.errors import UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies.fault_tolerance.global_batches import GlobalBatches
 from torchstrategies.strategies.fault_tolerance.loop import TransactionalLoop
@@ -92,14 +92,11 @@ class FaultTolerantExtended(StrategyExtended):
         comps = local_results(value) if isinstance(value, DistributedValues) else (value,)
         t = torch.as_tensor(comps[0]).detach().clone()
         loop = self._loops[-1] if self._loops else None
-        if loop is not None and loop.group is not None and loop.generation is not None and loop.generation.size > 1:
-            if op in (ReduceOp.MIN, ReduceOp.MAX):
-                raise ValueError(f"the fault-tolerant mode reduces with SUM or MEAN, got {op.name}")
-            try:
-                loop.group.allreduce([t]).wait()
-            except RuntimeError as exc:
-                raise UnavailableError(f"reduce over generation {loop.generation.number} failed: {exc}") from exc
+        if loop is not None:
             if op is ReduceOp.MEAN:
+                t = t.to(torch.promote_types(t.dtype, torch.float32))
+            (t,) = loop.all_reduce(ReduceOp.SUM if op is ReduceOp.MEAN else op, [t], "strategy.reduce")
+            if op is ReduceOp.MEAN and loop.generation is not None:
                 t = t / loop.generation.size
         return self._to_destinations(t, self._destination_devices(destinations))
 
@@ -135,11 +132,15 @@ class FaultTolerantMultiWorkerMirroredStrategy(Strategy):
         ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> data = ts.GlobalBatches(dataset, global_batch_size=64, seed=0)         # doctest: +SKIP
         >>> loop = strategy.training_loop(model, opt, data)                        # doctest: +SKIP
-        >>> def loss_fn(batch):                                                    # doctest: +SKIP
+        >>> def step_fn(batch):                                                    # doctest: +SKIP
         ...     x, y = batch
-        ...     return ts.compute_average_loss((model(x) - y).pow(2).squeeze(1), global_batch_size=64)
+        ...     loss = ts.compute_average_loss((model(x) - y).pow(2).squeeze(1), global_batch_size=64)
+        ...     loss.backward()          # the commit point: .grad is the global gradient after it
+        ...     opt.step()
+        ...     opt.zero_grad()
+        ...     return loss.detach()
         >>> while loop.steps < 100:                                                # doctest: +SKIP
-        ...     loop.step(loss_fn)
+        ...     loop.step(step_fn)
     """
 
     def __init__(self, fault_tolerance: FaultTolerance | None = None,
