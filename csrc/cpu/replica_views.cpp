@@ -64,6 +64,32 @@ struct Identity {
   }
 };
 
+// Each replicated tensor T is in three small state machines at once (docs/architecture.md draws them).
+// A state changes only in the function named beside each transition; the decisions read the states.
+
+// P against its components, for `seed`. A cross-replica write that moves T's version counter or replaces P
+// (`T.data = x`) is seen by the stamps `seeded_version` and `identity` (`wrote_primary`); one that moves
+// neither (an optimizer's fused step) is named by `mark`.
+enum class PrimaryState : uint8_t {
+  kSeeded,  // every component equals P as of `seeded_version`   (seeded(), left())
+  kMarked,  // cross-replica code wrote P without moving T's version: the next seed copies it   (mark())
+};
+
+// T against replica writes, for `written`: whether T's version moved, or its data was replaced, while a
+// replica's view was in.
+enum class ReplicaWrites : uint8_t {
+  kNone,     // (taken())
+  kWritten,  // (left(): T's version moved since entered(), or T.data was replaced)
+};
+
+// Replica k's gradient against the tensor the last hand gave it, for the fold: when every replica is
+// kHanded the gradient is already the sum and the fold sums nothing (never twice).
+enum class GradSlot : uint8_t {
+  kEmpty,   // no gradient   (hand_all() of no gradient; left() with none)
+  kHanded,  // the tensor hand_all() gave it, in-place changes (clipping) allowed   (hand_all(); left())
+  kOwn,     // a tensor of its own: a backward's (after release()), an assignment's   (left())
+};
+
 struct Entry {
   explicit Entry(const at::Tensor& t) : ref(t.getIntrusivePtr()) {}
   WeakTensor ref;                 // T (weak: a replicated tensor dies with its module)
@@ -72,14 +98,26 @@ struct Entry {
   std::vector<at::Tensor> grads;  // G_k (parameters)
   at::Tensor primary;             // P (T.variable_data(): T's storage and view, its own version counter)
   at::Tensor primary_grad;        // the cross-replica view's gradient
-  Identity identity;              // P's identity at the last seed
-  int64_t version = -1;           // T's version counter when the cross-replica view was last entered
-  bool marked = false;            // written by cross-replica code that moves no version counter
-  std::vector<at::Tensor> handed; // the gradient handed to replica k by the last sum or seed
+
+  PrimaryState primary_state = PrimaryState::kSeeded;
+  Identity identity;              // P's identity when seeded
+  int64_t seeded_version = -1;    // T's version when its components last matched P (seed, leave)
+
+  ReplicaWrites writes = ReplicaWrites::kNone;
+  int64_t entered_version = -1;   // T's version when the active replica's view was entered
+
+  std::vector<GradSlot> slots;    // replica k's gradient against handed[k]
+  std::vector<at::Tensor> handed; // the gradient handed to replica k by the last hand_all
   int64_t handed_version = -1;    // primary_grad's version when it was handed
   int64_t first_version = -1;     // handed[0]'s version then (its in-place changes reach P's gradient)
-  int64_t enter_version = -1;     // T's version when a replica's view was entered
-  bool written = false;           // T's version moved in replica context since the last `written()`
+};
+
+// How hand_all gives replica k the sum g: the decision that reuses a replica's gradient memory.
+enum class Hand : uint8_t {
+  kNothing,   // g is undefined: replica k has no gradient
+  kShare,     // replica 0 computing on g's device: g itself
+  kCopyInto,  // replica k's gradient has g's layout on its device and is no alias of g or of replica 0's
+  kAllocate,  // a new copy of g on replica k's device
 };
 
 bool same(const at::Tensor& a, const at::Tensor& b) {
@@ -123,6 +161,7 @@ class ReplicaViews {
       e.data.resize(n);
       e.grads.resize(n);
       e.handed.resize(n);
+      e.slots.resize(n, GradSlot::kEmpty);
       if (is_param) {
         e.primary_grad = t.grad();
         hand_all(e, e.primary_grad);  // a gradient it already has is every replica's, as after a sum
@@ -150,7 +189,7 @@ class ReplicaViews {
 
   // Copies P into every other component of the tensors cross-replica code wrote: all of them (`all`,
   // at the start of a run), else those whose version moved, whose P was replaced, or that were marked.
-  // Also hands a cross-replica gradient that was (re)set (zero_grad, an assignment) to replica 0.
+  // Also hands a cross-replica gradient that was (re)set (zero_grad, an assignment) to every replica.
   void seed(bool all) {
     TORCH_CHECK(active_ < 0, "ReplicaViews.seed: replica ", active_, "'s view is active");
     drop_queued();
@@ -159,29 +198,11 @@ class ReplicaViews {
       Entry& e = entries_[i];
       at::Tensor t = tensor(i);
       if (!t.defined()) continue;
-      if (e.is_param && (!same(t.grad(), e.primary_grad) ||
-                         (e.primary_grad.defined() && e.primary_grad._version() != e.handed_version))) {
+      if (e.is_param && wrote_gradient(e, t)) {
         e.primary_grad = t.grad();
         hand_all(e, e.primary_grad);
       }
-      const bool replaced = !e.identity.matches(t);
-      if (!all && !replaced && !e.marked && t._version() == e.version) continue;
-      if (replaced) {
-        e.identity = Identity::of(t);
-        e.primary = t.variable_data();
-      }
-      for (size_t k = 0; k < devices_.size(); ++k) {
-        if (!owns_component(e, static_cast<int64_t>(k))) continue;
-        at::Tensor& c = e.data[k];
-        if (c.defined() && c.scalar_type() == t.scalar_type() && c.sizes() == t.sizes() &&
-            c.device() == devices_[k]) {
-          copy_later(c, e.primary);
-        } else {
-          c = e.primary.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
-        }
-      }
-      e.version = t._version();
-      e.marked = false;
+      if (all || wrote_primary(e, t)) seeded(e, t);
     }
     flush();
   }
@@ -192,7 +213,7 @@ class ReplicaViews {
     for (const auto& t : tensors) wanted.emplace(t.unsafeGetTensorImpl(), true);
     for (size_t i = 0; i < entries_.size(); ++i) {
       at::Tensor t = tensor(i);
-      if (t.defined() && wanted.count(t.unsafeGetTensorImpl())) entries_[i].marked = true;
+      if (t.defined() && wanted.count(t.unsafeGetTensorImpl())) entries_[i].primary_state = PrimaryState::kMarked;
     }
   }
 
@@ -201,16 +222,8 @@ class ReplicaViews {
     TORCH_CHECK(active_ < 0, "ReplicaViews.enter(", k, "): replica ", active_, "'s view is active");
     TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(devices_.size()), "ReplicaViews.enter: no replica ", k);
     for (size_t i = 0; i < entries_.size(); ++i) {
-      Entry& e = entries_[i];
       at::Tensor t = tensor(i);
-      if (!t.defined()) continue;
-      if (owns_component(e, k)) {
-        TORCH_CHECK(e.data[k].defined(), "ReplicaViews.enter: replica ", k, "'s component was not seeded");
-        if (e.is_param) t.mutable_grad().reset();  // (a gradient must match the data's device)
-        t.set_data(e.data[k]);
-      }
-      if (e.is_param) t.mutable_grad() = e.grads[k];
-      e.enter_version = t._version();
+      if (t.defined()) entered(entries_[i], t, k);
     }
     active_ = k;
   }
@@ -228,15 +241,15 @@ class ReplicaViews {
     }
   }
 
-  // (T, [replica k's value of T]) for the tensors whose version moved in replica context since the last
-  // call; forgets them.
+  // (T, [replica k's value of T]) for the tensors replicas wrote since the last call (ReplicaWrites);
+  // forgets them.
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> written() {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
     for (size_t i = 0; i < entries_.size(); ++i) {
       Entry& e = entries_[i];
-      if (!e.written) continue;
-      e.written = false;
+      if (e.writes != ReplicaWrites::kWritten) continue;
+      e.writes = ReplicaWrites::kNone;  // taken
       at::Tensor t = tensor(i);
       if (!t.defined()) continue;
       out.emplace_back(t, components(e, t, devices_.size()));
@@ -250,29 +263,14 @@ class ReplicaViews {
     if (k < 0) return;
     active_ = -1;
     for (size_t i = 0; i < entries_.size(); ++i) {
-      Entry& e = entries_[i];
       at::Tensor t = tensor(i);
-      if (!t.defined()) continue;
-      if (e.is_param) e.grads[k] = t.grad();
-      if (t._version() != e.enter_version) e.written = true;
-      // `T.data = x` in replica k (no version moves): x becomes replica k's component, written, so the
-      // check compares it with the other replicas' (replica 0 without a component of its own replaced P:
-      // the next seed hands it on, the check compares it first).
-      if (owns_component(e, k) ? !same_view(e.data[k], t) : !e.identity.matches(t)) {
-        if (owns_component(e, k)) e.data[k] = t.variable_data();
-        e.written = true;
-      }
-      if (owns_component(e, k)) {
-        if (e.is_param) t.mutable_grad().reset();
-        t.set_data(e.primary);
-      }
-      if (e.is_param) t.mutable_grad() = e.primary_grad;
-      e.version = t._version();
+      if (t.defined()) left(entries_[i], t, k);
     }
   }
 
   // Fold, part 1 (cross-replica view): makes each parameter's gradient the sum of its replicas' where
-  // that needs no arithmetic (none or one has one) and returns the others: (T, [the replicas' gradients]).
+  // that needs no arithmetic (every replica still holds the sum it was handed, or none or one has a
+  // gradient) and returns the others: (T, [the replicas' gradients]).
   std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> gradients_to_sum() {
     TORCH_CHECK(active_ < 0, "ReplicaViews: a replica view is active");
     std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> out;
@@ -283,15 +281,8 @@ class ReplicaViews {
       if (!e.is_param) continue;
       at::Tensor t = tensor(i);
       if (!t.defined()) continue;
-      bool reduced = e.handed[0].defined();
-      for (size_t k = 0; k < e.grads.size() && reduced; ++k) reduced = same(e.grads[k], e.handed[k]);
-      if (reduced) {  // every replica still holds the sum it was handed: nothing to sum
-        if (!same(e.handed[0], e.primary_grad) && e.handed[0]._version() != e.first_version) {
-          at::NoGradGuard no_grad;
-          e.primary_grad.copy_(e.handed[0]);  // replica 0's in-place change (clipping) reaches P's
-          e.first_version = e.handed[0]._version();
-          e.handed_version = e.primary_grad._version();
-        }
+      if (already_reduced(e)) {
+        first_changed(e);
         continue;
       }
       std::vector<at::Tensor> grads;
@@ -401,33 +392,148 @@ class ReplicaViews {
     return out;
   }
 
-  // Every replica starts from `g` (the cross-replica gradient): replica 0 from `g` itself where it
-  // computes on its device, every other from a copy of its own (its previous gradient's memory where that
-  // fits), so that an in-place change in one replica (clipping) stays its own.
+  // --- the transitions (each state changes only here) ----------------------------------------------
+
+  // PrimaryState -> kSeeded: copies P into every component of T (a replaced P is taken first).
+  void seeded(Entry& e, const at::Tensor& t) {
+    if (!e.identity.matches(t)) {
+      e.identity = Identity::of(t);
+      e.primary = t.variable_data();
+    }
+    for (size_t k = 0; k < devices_.size(); ++k) {
+      if (!owns_component(e, static_cast<int64_t>(k))) continue;
+      at::Tensor& c = e.data[k];
+      if (c.defined() && c.scalar_type() == t.scalar_type() && c.sizes() == t.sizes() &&
+          c.device() == devices_[k]) {
+        copy_later(c, e.primary);
+      } else {
+        c = e.primary.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+    e.seeded_version = t._version();
+    e.primary_state = PrimaryState::kSeeded;
+  }
+
+  // Cross-replica view -> replica k's view of T (stamps `entered_version` for left()).
+  void entered(Entry& e, const at::Tensor& t, int64_t k) {
+    if (owns_component(e, k)) {
+      TORCH_CHECK(e.data[k].defined(), "ReplicaViews.enter: replica ", k, "'s component was not seeded");
+      if (e.is_param) t.mutable_grad().reset();  // (a gradient must match the data's device)
+      t.set_data(e.data[k]);
+    }
+    if (e.is_param) t.mutable_grad() = e.grads[k];
+    e.entered_version = t._version();
+  }
+
+  // Replica k's view of T -> the cross-replica view: ReplicaWrites -> kWritten if replica k wrote T,
+  // GradSlot k from the gradient it leaves, and T's version restamped (a replica's writes are its
+  // component's, not P's).
+  void left(Entry& e, const at::Tensor& t, int64_t k) {
+    if (e.is_param) {
+      e.grads[k] = t.grad();
+      e.slots[k] = !e.grads[k].defined()           ? GradSlot::kEmpty
+                   : same(e.grads[k], e.handed[k]) ? GradSlot::kHanded
+                                                   : GradSlot::kOwn;
+    }
+    if (t._version() != e.entered_version) e.writes = ReplicaWrites::kWritten;
+    // `T.data = x` in replica k (no version moves): x becomes replica k's component, written, so the
+    // check compares it with the other replicas' (replica 0 without a component of its own replaced P:
+    // the next seed hands it on, the check compares it first).
+    const bool own = owns_component(e, k);
+    if (own ? !same_view(e.data[k], t) : !e.identity.matches(t)) {
+      if (own) e.data[k] = t.variable_data();
+      e.writes = ReplicaWrites::kWritten;
+    }
+    if (own) {
+      if (e.is_param) t.mutable_grad().reset();
+      t.set_data(e.primary);
+    }
+    if (e.is_param) t.mutable_grad() = e.primary_grad;
+    e.seeded_version = t._version();
+  }
+
+  // Every GradSlot -> kHanded (kEmpty where `g` is undefined): every replica starts from `g` (the
+  // cross-replica gradient): replica 0 from `g` itself where it computes on its device, every other from
+  // a copy of its own (its previous gradient's memory where that fits), so that an in-place change in one
+  // replica (clipping) stays its own.
   void hand_all(Entry& e, const at::Tensor& g) {
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < e.grads.size(); ++k) {
       at::Tensor& x = e.grads[k];
-      if (!g.defined()) {
-        x.reset();
-      } else if (k == 0 && g.device() == devices_[0]) {
-        x = g;
-      } else if (x.defined() && !same(x, g) && x.layout() == at::kStrided && g.layout() == at::kStrided &&
-                 x.scalar_type() == g.scalar_type() && x.sizes() == g.sizes() && x.strides() == g.strides() &&
-                 x.device() == devices_[k] && !x.is_alias_of(g) &&
-                 (k == 0 || !e.grads[0].defined() || !x.is_alias_of(e.grads[0]))) {
-        if (k == 0) {
-          x.copy_(g);  // (now: its version is recorded below)
-        } else {
-          copy_later(x, g);
-        }
-      } else {
-        x = g.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
+      switch (hand_of(e, k, g)) {
+        case Hand::kNothing:
+          x.reset();
+          break;
+        case Hand::kShare:
+          x = g;
+          break;
+        case Hand::kCopyInto:
+          if (k == 0) {
+            x.copy_(g);  // (now: its version is recorded below)
+          } else {
+            copy_later(x, g);
+          }
+          break;
+        case Hand::kAllocate:
+          x = g.to(devices_[k], /*non_blocking=*/false, /*copy=*/true);
+          break;
       }
       e.handed[k] = x;
+      e.slots[k] = x.defined() ? GradSlot::kHanded : GradSlot::kEmpty;
     }
     e.handed_version = g.defined() ? g._version() : -1;
     e.first_version = e.handed[0].defined() ? e.handed[0]._version() : -1;
+  }
+
+  // Every replica still kHanded: replica 0's in-place change to its handed gradient (clipping), where
+  // that is a copy of P's, reaches P's (restamping the hand, so the next seed does not hand it back).
+  void first_changed(Entry& e) {
+    if (same(e.handed[0], e.primary_grad) || e.handed[0]._version() == e.first_version) return;
+    at::NoGradGuard no_grad;
+    e.primary_grad.copy_(e.handed[0]);
+    e.first_version = e.handed[0]._version();
+    e.handed_version = e.primary_grad._version();
+  }
+
+  // --- the decisions (read from the states and stamps) ----------------------------------------------
+
+  // Whether cross-replica code wrote P since its components were seeded: marked, T's version moved, or P
+  // was replaced (`T.data = x`).
+  static bool wrote_primary(const Entry& e, const at::Tensor& t) {
+    return e.primary_state == PrimaryState::kMarked || t._version() != e.seeded_version ||
+           !e.identity.matches(t);
+  }
+
+  // Whether cross-replica code (re)set T's gradient since it was handed (zero_grad, an assignment, an
+  // in-place change): the next seed hands it to every replica.
+  static bool wrote_gradient(const Entry& e, const at::Tensor& t) {
+    return !same(t.grad(), e.primary_grad) ||
+           (e.primary_grad.defined() && e.primary_grad._version() != e.handed_version);
+  }
+
+  // Whether every replica still holds the sum it was handed: the gradient is reduced, nothing to sum.
+  static bool already_reduced(const Entry& e) {
+    for (GradSlot s : e.slots) {
+      if (s != GradSlot::kHanded) return false;
+    }
+    return true;
+  }
+
+  // How replica k is handed `g` (hand_all): its gradient's memory is reused where it holds a tensor
+  // (handed or its own) of g's strided layout on its device that aliases neither g nor replica 0's.
+  Hand hand_of(const Entry& e, size_t k, const at::Tensor& g) const {
+    if (!g.defined()) return Hand::kNothing;
+    if (k == 0 && g.device() == devices_[0]) return Hand::kShare;
+    const at::Tensor& x = e.grads[k];
+    if (e.slots[k] == GradSlot::kEmpty || same(x, g) || !same_layout(x, g, devices_[k])) return Hand::kAllocate;
+    if (x.is_alias_of(g) || (k > 0 && e.grads[0].defined() && x.is_alias_of(e.grads[0]))) return Hand::kAllocate;
+    return Hand::kCopyInto;
+  }
+
+  // Whether x is a strided tensor on `device` with g's dtype, sizes and strides (g strided too).
+  static bool same_layout(const at::Tensor& x, const at::Tensor& g, const at::Device& device) {
+    return x.layout() == at::kStrided && g.layout() == at::kStrided && x.scalar_type() == g.scalar_type() &&
+           x.sizes() == g.sizes() && x.strides() == g.strides() && x.device() == device;
   }
 
   void set_gradient(Entry& e, const at::Tensor& t, at::Tensor total) {

@@ -45,6 +45,7 @@ the strategy's group -> the backend -> ``_finish`` (end of backward: wait, write
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -56,11 +57,20 @@ import torch.distributed as dist
 from torchstrategies.distribute.replica_share import linear_gradient_hook
 from torchstrategies.strategies._health import HealthMonitor
 
-__all__ = ["GradBucket", "GradientSynchronizer", "Hook", "allreduce_hook", "CompressionHook", "sparse_sum"]
+__all__ = ["GradBucket", "GradientSynchronizer", "Hook", "SyncState", "allreduce_hook", "CompressionHook",
+           "sparse_sum"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
 
-_IDLE, _BACKWARD, _REDUCED = "idle", "backward", "reduced"
+
+class SyncState(enum.Enum):
+    """Where a :class:`GradientSynchronizer` is in its step. Each transition is one method (docs/architecture.md
+    draws them): ``_rebuilt`` (any -> IDLE), ``_begin`` (IDLE -> BACKWARD), ``_reduced`` (BACKWARD, IDLE or
+    REDUCED -> REDUCED), ``_unreduce`` (REDUCED -> IDLE), ``_abandon`` (BACKWARD -> IDLE)."""
+
+    IDLE = "idle"  # no reduction under way; the gradients are not known to be reduced
+    BACKWARD = "backward"  # a synchronized backward is under way: full buckets are sent as they fill
+    REDUCED = "reduced"  # every synchronized gradient is what the last reduction left (``proven``)
 
 
 class GradBucket:
@@ -245,7 +255,7 @@ class GradientSynchronizer:
         self.buckets = self._make_buckets(list(reversed(plist)))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._layout = [(p.dtype, p.device, p.shape) for p in plist]
-        self._state = _IDLE
+        self._rebuilt()
         for p in plist:
             if self._autograd_hooks and id(p) not in self._hooked:
                 self._hooked.add(id(p))
@@ -255,7 +265,7 @@ class GradientSynchronizer:
             if self._located(p) is not None:
                 self._keep_reduced(p, g)
         if old:
-            self._state = _REDUCED
+            self._reduced()
 
     def _layout_changed(self) -> bool:
         """Whether a watched parameter became (un)trainable or changed dtype, device or shape."""
@@ -288,7 +298,7 @@ class GradientSynchronizer:
         """Whether ``param.grad`` is what the last reduction left there (so reducing it again would count
         it twice): the reduced bucket view, or the reduced sparse tensor, not replaced since."""
         where = self._located(param)
-        if where is None or self._state != _REDUCED:
+        if where is None or self._state is not SyncState.REDUCED:
             return False
         g = param.grad
         if g is None:
@@ -322,7 +332,7 @@ class GradientSynchronizer:
         for p in params:
             if self._located(p) is not None and p.grad is not None:
                 self._keep_reduced(p, p.grad)
-        self._state = _REDUCED
+        self._reduced()
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         groups: dict[tuple[Any, Any], list[list[torch.nn.Parameter]]] = {}
@@ -349,7 +359,7 @@ class GradientSynchronizer:
 
     def set_hook(self, hook: Hook) -> None:
         """Replaces the communication hook (between steps)."""
-        if self._state == _BACKWARD:
+        if self._state is SyncState.BACKWARD:
             raise RuntimeError("cannot change the communication hook during backward")
         self.hook = hook
         self._set_buckets()
@@ -380,22 +390,16 @@ class GradientSynchronizer:
 
         After the step the reduced gradients stay in ``.grad`` (the state stays REDUCED), so a backward
         without ``zero_grad()`` in between adds to them as a second backward does."""
-        if self._state == _BACKWARD:
+        if self._state is SyncState.BACKWARD:
             self._finish()
-        elif self._state == _IDLE and self._local_pending and self._sync_enabled:
+        elif self._state is SyncState.IDLE and self._local_pending and self._sync_enabled:
             self.reduce_now()
 
     # --- hooks ---------------------------------------------------------------------------------------------
     def _make_pre_hook(self) -> Any:
         def pre_hook(grad: torch.Tensor) -> None:
-            if self._state == _REDUCED:
-                # A new synchronized backward on top of already reduced gradients (no step in between).
-                world = float(self.world_size)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.div_(world)
-                self._state = _IDLE
-                self._local_pending = True
+            if self._state is SyncState.REDUCED:
+                self._unreduce()
             return None
 
         return pre_hook
@@ -404,7 +408,7 @@ class GradientSynchronizer:
         if not self._sync_enabled:
             self._local_pending = True
             return
-        if self._state != _BACKWARD:
+        if self._state is not SyncState.BACKWARD:
             self._begin()
         if not self._callback_queued:
             self._callback_queued = True
@@ -412,7 +416,7 @@ class GradientSynchronizer:
         bucket, i = self._where[id(param)]
         if bucket.ready[i]:
             if bucket.launched:  # a second accumulation after its bucket was sent: it would be lost
-                self._state = _IDLE
+                self._abandon()
                 raise RuntimeError(
                     f"A gradient of a parameter of shape {tuple(param.shape)} was accumulated twice in one "
                     "backward, after its bucket was sent to the other workers: a backward inside a backward "
@@ -426,14 +430,37 @@ class GradientSynchronizer:
         if bucket.pending == 0:  # (otherwise nothing new can be launched)
             self._launch_ready()
 
-    # --- the per-iteration state machine -----------------------------------------------------------------
+    # --- the per-iteration state machine (SyncState: each transition is one of these methods) -------------
+    def _rebuilt(self) -> None:
+        """Any -> IDLE: the buckets were (re)built (the gradients that stay reduced are taken next)."""
+        self._state = SyncState.IDLE
+
     def _begin(self) -> None:
+        """IDLE (or REDUCED, for ``reduce_now``) -> BACKWARD: every bucket empty, none sent."""
         if self._layout_changed():
             self._set_buckets()
         for b in self.buckets:
             b.reset()
         self._next_launch = 0
-        self._state = _BACKWARD
+        self._state = SyncState.BACKWARD
+
+    def _reduced(self) -> None:
+        """-> REDUCED: the synchronized gradients are the reduced ones (``proven``)."""
+        self._state = SyncState.REDUCED
+
+    def _unreduce(self) -> None:
+        """REDUCED -> IDLE: a new synchronized backward on top of already reduced gradients (no step in
+        between) divides them by the world size, so the next reduction sums them once."""
+        world = float(self.world_size)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(world)
+        self._state = SyncState.IDLE
+        self._local_pending = True
+
+    def _abandon(self) -> None:
+        """BACKWARD -> IDLE: the backward's reduction failed (its error is being raised)."""
+        self._state = SyncState.IDLE
 
     def _take_grad(self, bucket: _Bucket, i: int, param: torch.Tensor | None) -> None:
         view = bucket.views[i]
@@ -467,7 +494,7 @@ class GradientSynchronizer:
     def _finish(self) -> None:
         """End of backward: launch what is left (missing gradients count as zero), wait, write back."""
         self._callback_queued = False
-        if self._state != _BACKWARD:
+        if self._state is not SyncState.BACKWARD:
             return
         for b in self.buckets[self._next_launch:]:
             for i, p in enumerate(b.params):
@@ -482,7 +509,7 @@ class GradientSynchronizer:
             try:
                 result = b.future.wait()
             except Exception as exc:
-                self._state = _IDLE
+                self._abandon()
                 if self.health is None or type(exc).__module__.startswith("torchstrategies") or not isinstance(
                         exc, (RuntimeError, TimeoutError)):
                     raise
@@ -513,7 +540,7 @@ class GradientSynchronizer:
             g = p.grad if p.grad is not None and p.grad.layout != torch.strided else None
             p.grad = b.sparse_grads[i] = sparse_sum(g, p, self.state)
         self._local_pending = False
-        self._state = _REDUCED
+        self._reduced()
         self._changes = []
 
     def _mismatch_cause(self, named: Exception) -> str:

@@ -17,6 +17,8 @@ Which gradients are reduced here must be the same on every rank: the same code o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -25,6 +27,22 @@ from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._grad_sync import GradientSynchronizer, Hook
 
 __all__ = ["Synchronizers", "average_mean_buffers"]
+
+Owners = list[tuple[torch.nn.Parameter, GradientSynchronizer | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerLookup:
+    """Which synchronizers watch an optimizer's parameters (``Synchronizers.for_optimizer``), valid while the
+    strategy's synchronizers (``generation``) and the optimizer's parameters are the same."""
+
+    generation: int  # the Synchronizers' generation it was made in
+    syncs: list[GradientSynchronizer]  # those that watch some of the optimizer's parameters, in creation order
+    owners: Owners  # each parameter (first occurrence, group order) with the synchronizer watching it, or None
+
+    def valid(self, generation: int, params: list[torch.nn.Parameter]) -> bool:
+        return (self.generation == generation and len(self.owners) == len(params)
+                and all(a is b for (a, _), b in zip(self.owners, params)))
 
 
 class Synchronizers:
@@ -39,6 +57,9 @@ class Synchronizers:
         self._make = make
         self._list: list[GradientSynchronizer] = []
         self._generation = 0  # bumped on every change, so an optimizer's cached lookup is redone
+        # Held by the strategy, keyed weakly by the optimizer (nothing is written on the user's object).
+        self._lookups: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerLookup] = (
+            weakref.WeakKeyDictionary())
 
     def add(self, sync: GradientSynchronizer) -> None:
         self._list = self.live() + [sync]
@@ -51,16 +72,13 @@ class Synchronizers:
             self._generation += 1
         return live
 
-    def for_optimizer(
-        self, optimizer: torch.optim.Optimizer
-    ) -> tuple[list[GradientSynchronizer], list[tuple[torch.nn.Parameter, GradientSynchronizer | None]]]:
+    def for_optimizer(self, optimizer: torch.optim.Optimizer) -> tuple[list[GradientSynchronizer], Owners]:
         """The synchronizers that watch some of ``optimizer``'s parameters, and each parameter with its
-        synchronizer (None: none watches it); cached on the optimizer until either changes."""
+        synchronizer (None: none watches it); remembered for the optimizer until either changes."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        cache = getattr(optimizer, "_torchstrategies_mwms_syncs", None)
-        if (cache is not None and cache[0] is self and cache[1] == self._generation
-                and len(cache[3]) == len(params) and all(a is b for (a, _), b in zip(cache[3], params))):
-            return cache[2], cache[3]
+        known = self._lookups.get(optimizer)
+        if known is not None and known.valid(self._generation, params):
+            return known.syncs, known.owners
         live = self.live()
         owners = []
         seen: set[int] = set()
@@ -69,7 +87,7 @@ class Synchronizers:
                 seen.add(id(p))
                 owners.append((p, next((s for s in live if s.owns(p)), None)))
         found = [s for s in live if any(o is s for _, o in owners)]
-        optimizer._torchstrategies_mwms_syncs = (self, self._generation, found, owners)  # type: ignore[attr-defined]
+        self._lookups[optimizer] = OptimizerLookup(self._generation, found, owners)
         return found, owners
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> bool:
