@@ -74,6 +74,81 @@ def test_a_write_on_one_rank_is_named_with_tensor_rank_and_step_within_the_bound
         assert "Likely cause" in msg, msg
 
 
+def _mwms_raised_after_the_update(rank: int, world: int) -> dict[str, object]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        w = model[0].weight
+        for step in range(1, 4):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if step == CORRUPT_AT and rank == world - 1:
+                _corrupt(model, "inplace")
+            expected = (w - 0.01 * w.grad).detach()   # what this rank's update writes
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                updated = torch.allclose(w.detach(), expected, rtol=1e-12, atol=0)   # (the kernel may fuse)
+                return {"step": step, "message": str(e), "updated": updated}
+        return {"step": None}
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_raises_the_same_error_from_the_step_after_its_update():
+    """The check's all-reduce travels during the optimizer's update: the error comes out of the same
+    ``optimizer.step()`` on every rank, once the update is applied."""
+    outs = run_ranks(_mwms_raised_after_the_update, 2, timeout=100)
+    assert [o["step"] for o in outs] == [CORRUPT_AT, CORRUPT_AT], outs
+    assert outs[0]["message"] == outs[1]["message"], outs
+    assert all(o["updated"] for o in outs), outs
+
+
+def _failing_closure() -> None:
+    raise RuntimeError("the optimizer failed")
+
+
+def _mwms_pending_after_a_failed_step(rank: int, world: int) -> list[str]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    out = []
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 4):
+            if step == CORRUPT_AT and rank == world - 1:
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+            opt.zero_grad()
+            model(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+            try:   # (a closure that raises: the step raises after its pre-hook, before its post-hook)
+                opt.step(_failing_closure if step == CORRUPT_AT else None)
+                out.append("ok")
+            except (RuntimeError, ts.errors.ReplicaDivergenceError) as e:
+                out.append(f"{type(e).__name__}: {e}")
+        return out
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_check_left_pending_by_a_step_that_raised_is_finished_by_the_next_step():
+    for out in run_ranks(_mwms_pending_after_a_failed_step, 2, timeout=100):
+        assert out[0] == "ok" and out[1] == "RuntimeError: the optimizer failed", out
+        assert out[2].startswith("ReplicaDivergenceError: The parameter Linear.bias differs between the ranks at "
+                                 f"optimizer step {CORRUPT_AT}"), out
+
+
 def _mwms_outside_scope(rank: int, world: int) -> str:
     import torchstrategies as ts
 
