@@ -1,7 +1,9 @@
 """Issue 46: one agreement seam names any divergence between the replicas or ranks within a few steps.
 
 A permutation of two rows, a one-bit flip and a ``.data`` write on one rank are each named (tensor, rank,
-step) within ``AGREEMENT_SLICES`` steps (a write whose version moves: at once); a model and optimizer made
+step) within ``AGREEMENT_SLICES`` steps (a write whose version moves: at once), also when two optimizers
+alternate; every rank raises the same error from the same ``optimizer.step()``, after its update (a check
+left pending by a step that raised is finished by the next); a model and optimizer made
 outside the scope (issue case 5) and ``nn.Embedding(max_norm=...)`` (case 4) under MultiWorkerMirrored are
 named; in-process, replica 1's ``param.data = ...`` inside ``run`` is named (case 6); a checkpoint save of
 diverged ranks raises ``ReplicaDivergenceError``; InstanceNorm's running statistics follow the MEAN rule.
@@ -147,6 +149,41 @@ def test_a_check_left_pending_by_a_step_that_raised_is_finished_by_the_next_step
         assert out[0] == "ok" and out[1] == "RuntimeError: the optimizer failed", out
         assert out[2].startswith("ReplicaDivergenceError: The parameter Linear.bias differs between the ranks at "
                                  f"optimizer step {CORRUPT_AT}"), out
+
+
+def _mwms_two_optimizers(rank: int, world: int) -> dict[str, object]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            a = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)).double()
+            b = torch.nn.Linear(6, 1).double()
+            opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
+            opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for step in range(1, 2 * AGREEMENT_SLICES + 5):   # a, b, a, b, ...: a's own steps take every piece
+            if step == 3 and rank == world - 1:   # an uncounted write into a's second piece (bytes [1/8, 2/8))
+                a[0].weight.data.view(torch.int64).view(-1)[60] ^= 1
+            model, opt = (a, opt_a) if step % 2 else (b, opt_b)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                return {"step": step, "tensor": e.tensor}
+        return {"step": None}
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_rotating_slice_covers_each_optimizers_tensors_when_two_optimizers_alternate():
+    for out in run_ranks(_mwms_two_optimizers, 2, timeout=100):
+        assert out["step"] is not None, "never named"
+        assert out["step"] < 3 + 2 * AGREEMENT_SLICES, out   # within a's own AGREEMENT_SLICES steps
+        assert out["tensor"] == "Sequential.0.weight", out
 
 
 def _mwms_outside_scope(rank: int, world: int) -> str:

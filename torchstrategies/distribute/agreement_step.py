@@ -10,10 +10,11 @@ At every ``optimizer.step()`` a :class:`StepAgreement` compares, in ONE MAX all-
   second all-reduce, taken only then (after the update: the values every rank still holds);
 * the ``forced`` tensors (the parameters of an optimizer no strategy watches: a model and optimizer made
   outside the scope), hashed whole at every step;
-* slice ``s % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices`` equal
-  pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost (a
-  write torch does not count, through ``.data`` or a kernel that bypasses the version counter, is named
-  within ``slices`` steps).
+* slice ``turn % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices``
+  equal pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's
+  cost (a write torch does not count, through ``.data`` or a kernel that bypasses the version counter, is
+  named within ``slices`` steps). ``turn`` counts the steps of the optimizer that steps (the caller's), so
+  two optimizers that alternate each go through every piece of their own tensors.
 
 The collective is off the step's critical path: :meth:`StepAgreement.start` (the step pre-hook) hashes and
 starts the all-reduce, the optimizer's update runs while it travels, and :meth:`StepAgreement.finish` (the
@@ -102,9 +103,11 @@ class StepAgreement:
         """Remembers ``tensors`` as they are now (after an optimizer's step: its own writes are no news)."""
         self._seen.record(tensors)
 
-    def start(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor], raise_for: RaiseFor) -> None:
-        """Hashes what this step checks of ``tracked + forced`` (the same list on every rank) and starts the
-        all-reduce that compares it (after finishing a check still pending)."""
+    def start(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor], turn: int,
+              raise_for: RaiseFor) -> None:
+        """Hashes what this step checks of ``tracked + forced`` (the same list on every rank; ``turn``: how many
+        earlier steps checked this list, which picks the piece) and starts the all-reduce that compares it
+        (after finishing a check still pending)."""
         self.finish()
         if not self.slices:
             return
@@ -113,7 +116,7 @@ class StepAgreement:
         n = len(everything)
         if not n:
             return
-        pieces = slice_ranges(tracked, (self.steps - 1) % self.slices, self.slices)
+        pieces = slice_ranges(tracked, turn % self.slices, self.slices)
         flags = [0] * n
         reasons: dict[int, str] = {}
         views: list[torch.Tensor] = []

@@ -79,6 +79,8 @@ class WorkerAgreement:
         self.step = StepAgreement(self.ranks, slices)
         self._modules = modules
         self._stepping: weakref.ref[torch.optim.Optimizer] | None = None
+        # Per optimizer, the steps it has taken: its turn through the rotating slice's pieces of its tensors.
+        self._turns: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
     # --- what the modules hold ------------------------------------------------------------------------------
     def _walk(self, optimizer: torch.optim.Optimizer | None = None
@@ -152,13 +154,15 @@ class WorkerAgreement:
             self._stepping = weakref.ref(optimizer)
             tracked, forced, names = held.tracked, [], {}
         everything = tracked + forced
+        turn = self._turns.get(optimizer, 0)
+        self._turns[optimizer] = turn + 1
 
         def raise_for(i: int, reason: str, fingerprint: int, when: str) -> None:
             t = everything[i]
             name = names.get(id(t)) or self.describe(t)[0]
             self.ranks.raise_for([(name, t)], when, lambda _: self.cause(t, reason), fingerprint)
 
-        self.step.start(tracked, forced, raise_for)
+        self.step.start(tracked, forced, turn, raise_for)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step post-hook: the optimizer's own writes are not news at the next step; then the check the
