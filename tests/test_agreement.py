@@ -332,6 +332,31 @@ def test_an_uncounted_write_in_one_replica_is_named_within_the_slices(strategy_n
     assert err.tensor == "Sequential.0.weight" and err.replicas == [1], (err.tensor, err.replicas)
 
 
+def test_a_tensor_counts_as_moved_until_recorded_and_a_new_tensor_at_a_dead_ones_address_is_never_seen():
+    from torchstrategies.distribute.agreement_step import _Seen
+
+    seen = _Seen()
+    t = torch.zeros(3)
+    assert seen.moved(t)
+    seen.record([t])
+    assert not seen.moved(t)
+    t.add_(1)                   # a counted write
+    assert seen.moved(t)
+    seen.record([t])
+    t.data = torch.ones(3)      # new storage, no version move
+    assert seen.moved(t)
+    seen.record([t])
+    addresses = set()
+    for _ in range(200):        # tensors die and new ones take their ids: none is taken for a seen one
+        u = torch.zeros(3)
+        addresses.add(id(u))
+        assert seen.moved(u)
+        seen.record([u])
+        del u
+    assert len(addresses) < 200   # (ids were reused: the case is exercised)
+    assert not seen.moved(t) and len(seen._table) <= 2 * 64   # dead entries are swept
+
+
 def test_the_rotating_slices_cover_every_byte_once():
     tensors = [torch.zeros(5, 3), torch.zeros(0), torch.zeros(7, dtype=torch.float64), torch.zeros(4, 4).t(),
                torch.zeros(1, dtype=torch.int8), torch.zeros(4097)]

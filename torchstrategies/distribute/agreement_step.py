@@ -106,8 +106,8 @@ class StepAgreement:
     def start(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor], turn: int,
               raise_for: RaiseFor) -> None:
         """Hashes what this step checks of ``tracked + forced`` (the same list on every rank; ``turn``: how many
-        earlier steps checked this list, which picks the piece) and starts the all-reduce that compares it
-        (after finishing a check still pending)."""
+        steps the stepping optimizer took before, which picks the piece) and starts the all-reduce that
+        compares it (after finishing a check still pending)."""
         self.finish()
         if not self.slices:
             return
