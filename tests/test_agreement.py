@@ -1,7 +1,9 @@
 """Issue 46: one agreement seam names any divergence between the replicas or ranks within a few steps.
 
 A permutation of two rows, a one-bit flip and a ``.data`` write on one rank are each named (tensor, rank,
-step) within ``AGREEMENT_SLICES`` steps (a write whose version moves: at once); a model and optimizer made
+step) within ``AGREEMENT_SLICES`` steps (a write whose version moves: at once), also when two optimizers
+alternate; every rank raises the same error from the same ``optimizer.step()``, after its update (a check
+left pending by a step that raised is finished by the next); a model and optimizer made
 outside the scope (issue case 5) and ``nn.Embedding(max_norm=...)`` (case 4) under MultiWorkerMirrored are
 named; in-process, replica 1's ``param.data = ...`` inside ``run`` is named (case 6); a checkpoint save of
 diverged ranks raises ``ReplicaDivergenceError``; InstanceNorm's running statistics follow the MEAN rule.
@@ -72,6 +74,116 @@ def test_a_write_on_one_rank_is_named_with_tensor_rank_and_step_within_the_bound
         assert f"parameter Sequential.0.weight differs between the ranks at optimizer step {out['step']}" in msg
         assert f"rank {world - 1} holds a value that differs from rank 0's" in msg, msg
         assert "Likely cause" in msg, msg
+
+
+def _mwms_raised_after_the_update(rank: int, world: int) -> dict[str, object]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        w = model[0].weight
+        for step in range(1, 4):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if step == CORRUPT_AT and rank == world - 1:
+                _corrupt(model, "inplace")
+            expected = (w - 0.01 * w.grad).detach()   # what this rank's update writes
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                updated = torch.allclose(w.detach(), expected, rtol=1e-12, atol=0)   # (the kernel may fuse)
+                return {"step": step, "message": str(e), "updated": updated}
+        return {"step": None}
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_raises_the_same_error_from_the_step_after_its_update():
+    """The check's all-reduce travels during the optimizer's update: the error comes out of the same
+    ``optimizer.step()`` on every rank, once the update is applied."""
+    outs = run_ranks(_mwms_raised_after_the_update, 2, timeout=100)
+    assert [o["step"] for o in outs] == [CORRUPT_AT, CORRUPT_AT], outs
+    assert outs[0]["message"] == outs[1]["message"], outs
+    assert all(o["updated"] for o in outs), outs
+
+
+def _failing_closure() -> None:
+    raise RuntimeError("the optimizer failed")
+
+
+def _mwms_pending_after_a_failed_step(rank: int, world: int) -> list[str]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    out = []
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2).double()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 4):
+            if step == CORRUPT_AT and rank == world - 1:
+                with torch.no_grad():
+                    model.bias.add_(1.0)
+            opt.zero_grad()
+            model(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+            try:   # (a closure that raises: the step raises after its pre-hook, before its post-hook)
+                opt.step(_failing_closure if step == CORRUPT_AT else None)
+                out.append("ok")
+            except (RuntimeError, ts.errors.ReplicaDivergenceError) as e:
+                out.append(f"{type(e).__name__}: {e}")
+        return out
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_check_left_pending_by_a_step_that_raised_is_finished_by_the_next_step():
+    for out in run_ranks(_mwms_pending_after_a_failed_step, 2, timeout=100):
+        assert out[0] == "ok" and out[1] == "RuntimeError: the optimizer failed", out
+        assert out[2].startswith("ReplicaDivergenceError: The parameter Linear.bias differs between the ranks at "
+                                 f"optimizer step {CORRUPT_AT}"), out
+
+
+def _mwms_two_optimizers(rank: int, world: int) -> dict[str, object]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            a = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)).double()
+            b = torch.nn.Linear(6, 1).double()
+            opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
+            opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for step in range(1, 2 * AGREEMENT_SLICES + 5):   # a, b, a, b, ...: a's own steps take every piece
+            if step == 3 and rank == world - 1:   # an uncounted write into a's second piece (bytes [1/8, 2/8))
+                a[0].weight.data.view(torch.int64).view(-1)[60] ^= 1
+            model, opt = (a, opt_a) if step % 2 else (b, opt_b)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                return {"step": step, "tensor": e.tensor}
+        return {"step": None}
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_rotating_slice_covers_each_optimizers_tensors_when_two_optimizers_alternate():
+    for out in run_ranks(_mwms_two_optimizers, 2, timeout=100):
+        assert out["step"] is not None, "never named"
+        assert out["step"] < 3 + 2 * AGREEMENT_SLICES, out   # within a's own AGREEMENT_SLICES steps
+        assert out["tensor"] == "Sequential.0.weight", out
 
 
 def _mwms_outside_scope(rank: int, world: int) -> str:
@@ -218,6 +330,31 @@ def test_an_uncounted_write_in_one_replica_is_named_within_the_slices(strategy_n
     step, err = _in_process_steps(IN_PROCESS[strategy_name](), "bitflip")
     assert step is not None and step <= AGREEMENT_SLICES and err is not None, step
     assert err.tensor == "Sequential.0.weight" and err.replicas == [1], (err.tensor, err.replicas)
+
+
+def test_a_tensor_counts_as_moved_until_recorded_and_a_new_tensor_at_a_dead_ones_address_is_never_seen():
+    from torchstrategies.distribute.agreement_step import _Seen
+
+    seen = _Seen()
+    t = torch.zeros(3)
+    assert seen.moved(t)
+    seen.record([t])
+    assert not seen.moved(t)
+    t.add_(1)                   # a counted write
+    assert seen.moved(t)
+    seen.record([t])
+    t.data = torch.ones(3)      # new storage, no version move
+    assert seen.moved(t)
+    seen.record([t])
+    addresses = set()
+    for _ in range(200):        # tensors die and new ones take their ids: none is taken for a seen one
+        u = torch.zeros(3)
+        addresses.add(id(u))
+        assert seen.moved(u)
+        seen.record([u])
+        del u
+    assert len(addresses) < 200   # (ids were reused: the case is exercised)
+    assert not seen.moved(t) and len(seen._table) <= 2 * 64   # dead entries are swept
 
 
 def test_the_rotating_slices_cover_every_byte_once():

@@ -96,6 +96,10 @@ def _everything_through_one_group(rank, world):
     before = len(log)
     s.extended.batch_reduce_to("sum", [(x, "cpu"), (x, "cpu")])
     out["calls_one_pack"] = len(log) - before
+    y = torch.tensor([float(rank + 1), 4.0])
+    pending = s.extended.all_reduce_tensors_async("mean", [y])   # (the agreement check's way: started now)
+    y.fill_(100.0)   # the input was copied when the all-reduce started
+    out["async_mean"] = [pending.wait()[0].tolist(), pending.wait()[0].tolist()]
     ours = list(log)
     per_call_groups = []
     for impl in ("GLOO", "GLOO", "AUTO"):
@@ -130,6 +134,7 @@ def test_every_cross_worker_call_goes_through_the_strategys_one_process_group():
         assert out["ctx"] == 2.0
         assert out["batches"] == 2
         assert (out["calls_8_byte_packs"], out["calls_one_pack"]) == (2, 1)
+        assert out["async_mean"] == [[1.5, 4.0], [1.5, 4.0]]   # waited once, the same tensors again
         # a call's own implementation gets a group of that kind, made once; the strategy's own serves AUTO
         assert out["gloo_call_group_backend"] == "gloo"
         assert out["gloo_group_made_once"] and out["auto_call_group_is_strategy_group"]

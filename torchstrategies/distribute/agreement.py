@@ -7,8 +7,9 @@ tensors equal? The one place that answers it, for the step's buffer rule, the pe
   kept to 63 bits so that ``-h`` is exact.
 * In-process replicas compare their components' fingerprints on the spot (:func:`check_replicas`); ranks
   compare theirs with ONE small collective, a MAX all-reduce of ``[h, -h]`` (equal on every rank exactly
-  when max == -max(-h)) through the strategy's process group (:class:`RankAgreement`). Only when something
-  differs does a second all-reduce find which ranks hold which value, for the error.
+  when max == -max(-h)) through the strategy's process group (:class:`RankAgreement`), which the per-step
+  check starts before the optimizer's update and finishes after it (:meth:`RankAgreement.max_min_async`).
+  Only when something differs does a second all-reduce find which ranks hold which value, for the error.
 * The one error is ``ReplicaDivergenceError``: it names the tensor, the ranks or replicas that differ, when
   (the optimizer step), and the likely cause (:func:`divergence_error`).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -34,7 +36,7 @@ from torchstrategies import ops
 from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["fingerprints", "divergence_error", "check_replicas", "RankAgreement", "enabled", "ENV"]
+__all__ = ["fingerprints", "fingerprint_list", "divergence_error", "check_replicas", "RankAgreement", "enabled", "ENV"]
 
 # The benchmarking knob: TORCHSTRATEGIES_AGREEMENT=0 turns the per-step agreement check off (a checkpoint
 # save still checks), to measure what it costs (`torchstrategies bench train --no-agreement`). Never for
@@ -43,6 +45,12 @@ ENV = "TORCHSTRATEGIES_AGREEMENT"
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the descriptor's bits
+
+
+class Waitable(Protocol):
+    """A collective in flight (``PendingAllReduce``): ``wait()`` returns its reduced tensors."""
+
+    def wait(self) -> list[torch.Tensor]: ...
 
 
 def enabled() -> bool:
@@ -54,18 +62,24 @@ def _descriptor(t: torch.Tensor) -> int:
     return zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
 
 
-def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """An int64 CPU tensor: per tensor, the hash of its bytes mixed with its dtype and shape, in [0, 2**63).
+def fingerprint_list(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Per tensor, the hash of its bytes mixed with its dtype and shape, in [0, 2**63) (Python ints).
 
     The tensors may live on several devices (each device's are hashed in one kernel call there)."""
-    out = torch.empty(len(tensors), dtype=torch.int64)
+    hashes = [0] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     for idx in by_device.values():
-        out[idx] = ops.hash_tensors([tensors[i] for i in idx]).cpu()
-    desc = torch.tensor([_descriptor(t) for t in tensors], dtype=torch.int64)
-    return (out ^ (desc * _GOLDEN)) & _MASK63
+        for i, h in zip(idx, ops.hash_tensors([tensors[i] for i in idx]).tolist()):
+            hashes[i] = h
+    # (the low 63 bits of the int64 product and xor are those of the exact ones)
+    return [(h ^ (_descriptor(t) * _GOLDEN)) & _MASK63 for h, t in zip(hashes, tensors)]
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`fingerprint_list` as an int64 CPU tensor."""
+    return torch.tensor(fingerprint_list(tensors), dtype=torch.int64)
 
 
 def divergence_error(tensor: str, kind: str, where: str, groups: Sequence[Sequence[int]], when: str,
@@ -122,7 +136,7 @@ def check_replicas(items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]],
     items = [x for x in items if len(x[1]) > 1]
     if not items:
         return
-    f = fingerprints([c for _, comps in items for c in comps]).tolist()
+    f = fingerprint_list([c for _, comps in items for c in comps])
     off = 0
     for t, comps in items:
         values = f[off:off + len(comps)]
@@ -138,43 +152,64 @@ class RankAgreement:
         all_reduce: ``fn(op, tensors) -> reduced tensors`` over every rank (the strategy's process group).
         rank, world: this rank and the group's size.
         device: where the collective's tensors live (the rank's device: NCCL reduces only GPU tensors).
+        all_reduce_async: ``fn(op, tensors) -> handle`` whose ``wait()`` returns what ``all_reduce`` would: the
+            same collective started now, finished later (None: :meth:`max_min_async` runs it at once).
     """
 
     def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
-                 world: int, device: torch.device) -> None:
+                 world: int, device: torch.device,
+                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable] | None = None) -> None:
         self._all_reduce = all_reduce
+        self._all_reduce_async = all_reduce_async
         self.rank, self.world, self.device = rank, world, device
 
-    def max_min(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _payload(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([*values, *(-v for v in values)], dtype=torch.int64).to(self.device)
+
+    @staticmethod
+    def _split(most: torch.Tensor) -> tuple[list[int], list[int]]:
+        both = most.tolist()
+        n = len(both) // 2
+        return both[:n], [-v for v in both[n:]]
+
+    def max_min(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
         """The element-wise max and min of int64 ``values`` (non-negative, or flags) over the ranks: ONE MAX
         all-reduce of ``[v, -v]``."""
-        (most,) = self._all_reduce(ReduceOp.MAX, [torch.cat([values, -values]).to(self.device)])
-        most = most.cpu()
-        n = values.numel()
-        return most[:n], -most[n:]
+        (most,) = self._all_reduce(ReduceOp.MAX, [self._payload(values)])
+        return self._split(most)
+
+    def max_min_async(self, values: Sequence[int]) -> Callable[[], tuple[list[int], list[int]]]:
+        """:meth:`max_min` started now: the returned function waits for it and returns (max, min)."""
+        if self._all_reduce_async is None:
+            result = self.max_min(values)
+            return lambda: result
+        handle = self._all_reduce_async(ReduceOp.MAX, [self._payload(values)])
+        return lambda: self._split(handle.wait()[0])
 
     def differing(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """The indices of ``tensors`` whose copies differ between the ranks (every rank calls it with the
         same list)."""
         if not tensors:
             return []
-        hi, lo = self.max_min(fingerprints(tensors))
-        return (hi != lo).nonzero().flatten().tolist()
+        hi, lo = self.max_min(fingerprint_list(tensors))
+        return [i for i, (a, b) in enumerate(zip(hi, lo)) if a != b]
 
-    def holders(self, tensors: Sequence[torch.Tensor]) -> list[list[list[int]]]:
-        """Per tensor, the ranks grouped by the value they hold (rank 0's group first): one SUM all-reduce of
-        a (world, len) table where each rank writes its own row. Only on the error path."""
-        table = torch.zeros(self.world, len(tensors), dtype=torch.int64)
-        table[self.rank] = fingerprints(tensors)
+    def holders(self, values: Sequence[int]) -> list[list[list[int]]]:
+        """Per value (a fingerprint each rank holds), the ranks grouped by the value they hold (rank 0's group
+        first): one SUM all-reduce of a (world, len) table where each rank writes its own row. Only on the
+        error path."""
+        table = torch.zeros(self.world, len(values), dtype=torch.int64)
+        table[self.rank] = torch.tensor(list(values), dtype=torch.int64)
         (summed,) = self._all_reduce(ReduceOp.SUM, [table.to(self.device)])
         summed = summed.cpu()
-        return [_groups(summed[:, j].tolist()) for j in range(len(tensors))]
+        return [_groups(summed[:, j].tolist()) for j in range(len(values))]
 
     def raise_for(self, named: Sequence[tuple[str, torch.Tensor]], when: str,
-                  cause: Callable[[torch.Tensor], str]) -> None:
-        """Raises the error for the first of ``named`` (tensors known to differ), naming the ranks."""
+                  cause: Callable[[torch.Tensor], str], fingerprint: int | None = None) -> None:
+        """Raises the error for the first of ``named`` (tensors known to differ), naming the ranks by
+        ``fingerprint`` (what this rank compared; None: the tensor's, hashed whole now)."""
         name, t = named[0]
-        (groups,) = self.holders([t])
+        (groups,) = self.holders([fingerprint_list([t])[0] if fingerprint is None else fingerprint])
         raise divergence_error(name, kind_of(t), "ranks", groups, when, cause(t))
 
     def check(self, named: Sequence[tuple[str, torch.Tensor]], when: str,

@@ -1,19 +1,27 @@
 """What each optimizer step checks of the ranks' agreement (MultiWorkerMirrored; the seam is ``agreement.py``).
 
-At every ``optimizer.step()`` (the strategy's step pre-hook, before the update) a :class:`StepAgreement`
-compares, in ONE MAX all-reduce of ``4 * len(tracked)`` int64 numbers:
+At every ``optimizer.step()`` a :class:`StepAgreement` compares, in ONE MAX all-reduce of
+``4 * len(tracked + forced)`` int64 numbers, what the ranks hold before the update:
 
 * every tracked tensor whose version counter moved, or whose storage was replaced (``p.data = x``), since the
   last step (the optimizer's own writes are recorded after its step, :meth:`StepAgreement.record`): hashed
   whole, so a divergence there is named at the step where it happens. Which tensors moved is part of the
   all-reduce (a flag per tensor): a tensor that moved on some ranks only is hashed whole on every rank in a
-  second all-reduce, taken only then;
+  second all-reduce, taken only then (after the update: the values every rank still holds);
 * the ``forced`` tensors (the parameters of an optimizer no strategy watches: a model and optimizer made
   outside the scope), hashed whole at every step;
-* slice ``s % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices`` equal
-  pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost (a
-  write torch does not count, through ``.data`` or a kernel that bypasses the version counter, is named
-  within ``slices`` steps).
+* slice ``turn % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices``
+  equal pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's
+  cost (a write torch does not count, through ``.data`` or a kernel that bypasses the version counter, is
+  named within ``slices`` steps). ``turn`` counts the steps of the optimizer that steps (the caller's), so
+  two optimizers that alternate each go through every piece of their own tensors.
+
+The collective is off the step's critical path: :meth:`StepAgreement.start` (the step pre-hook) hashes and
+starts the all-reduce, the optimizer's update runs while it travels, and :meth:`StepAgreement.finish` (the
+step post-hook) waits for it and raises ``ReplicaDivergenceError`` if anything differs. The decision is made
+from the all-reduce's result, which every rank receives alike, so every rank raises the same error from the
+same ``optimizer.step()`` (after its update) or none does. A check left pending by a step that raised before
+its post-hook is finished by the next :meth:`StepAgreement.start`.
 
 ``slices`` is ``AGREEMENT_SLICES`` by default, 1 (everything, every step) in debug mode
 (``TORCHSTRATEGIES_DEBUG=1``), 0 with ``TORCHSTRATEGIES_AGREEMENT=0`` (off: the benchmarking knob).
@@ -21,26 +29,57 @@ compares, in ONE MAX all-reduce of ``4 * len(tracked)`` int64 numbers:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from torchstrategies.distribute.agreement import RankAgreement, fingerprints
+from torchstrategies.distribute.agreement import RankAgreement, fingerprint_list
 
 __all__ = ["StepAgreement", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
 # write torch does not count (version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES
-# of the model. Measured (2-core AMD EPYC VM, 2026-11-28 13:33/13:35 UTC, load 0.49 at each start; docs/
-# strategies.md, Agreement): the check costs 7.8% / 2.4% of the bench MLP's MWMS step at 8, over the 2% budget,
-# and the cost is the check's own blocking all-reduce, not the hashing, so a larger value would not lower it:
-#   torchstrategies bench train --nproc 2 --no-in-process --strategy mwms-default --strategy mwms-no-agreement
+# of the model. What the check costs at this value is measured in docs/strategies.md (Agreement).
 AGREEMENT_SLICES = 8
 
+# raise_for(index into tracked + forced, reason, the fingerprint this rank compared, when): raises the error.
+RaiseFor = Callable[[int, str, int, str], None]
 
-def _identity(t: torch.Tensor) -> tuple[int, int]:
-    return t._version, t.data_ptr()
+
+class _Seen:
+    """Tensor -> (version, data_ptr) when last seen, by identity: an entry whose tensor died never matches a
+    new tensor at the same address (it holds a weak reference, checked on lookup); dead entries are dropped
+    when the table has doubled since the last sweep."""
+
+    def __init__(self) -> None:
+        self._table: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        self._sweep_at = 64
+
+    def moved(self, t: torch.Tensor) -> bool:
+        e = self._table.get(id(t))
+        return e is None or e[0]() is not t or e[1] != t._version or e[2] != t.data_ptr()
+
+    def record(self, tensors: Sequence[torch.Tensor]) -> None:
+        table = self._table
+        for t in tensors:
+            table[id(t)] = (weakref.ref(t), t._version, t.data_ptr())
+        if len(table) > self._sweep_at:
+            self._table = table = {k: e for k, e in table.items() if e[0]() is not None}
+            self._sweep_at = max(64, 2 * len(table))
+
+
+@dataclass
+class _Pending:
+    """A step's check in flight: what finishing it needs."""
+
+    wait: Callable[[], tuple[list[int], list[int]]]
+    everything: list[torch.Tensor]
+    slots: list[int]
+    reasons: dict[int, str]
+    when: str
+    raise_for: RaiseFor
 
 
 class StepAgreement:
@@ -57,68 +96,74 @@ class StepAgreement:
         self.ranks = ranks
         self.slices = slices
         self.steps = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()   # tensor -> (version, data_ptr) last seen
+        self._seen = _Seen()
+        self._pending: _Pending | None = None
 
     def record(self, tensors: Sequence[torch.Tensor]) -> None:
         """Remembers ``tensors`` as they are now (after an optimizer's step: its own writes are no news)."""
-        for t in tensors:
-            self._seen[t] = _identity(t)
+        self._seen.record(tensors)
 
-    def on_step(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor],
-                raise_for: Callable[[list[int], str, dict[int, str]], None]) -> None:
-        """Checks ``tracked + forced`` (the same list on every rank) as this step requires.
-
-        Args:
-            raise_for: ``fn(indices, when, reasons)`` raises the error for the differing tensors (indices into
-                ``tracked + forced``); ``reasons[i]`` is "moved", "unwatched" or "slice".
-        """
+    def start(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor], turn: int,
+              raise_for: RaiseFor) -> None:
+        """Hashes what this step checks of ``tracked + forced`` (the same list on every rank; ``turn``: how many
+        steps the stepping optimizer took before, which picks the piece) and starts the all-reduce that
+        compares it (after finishing a check still pending)."""
+        self.finish()
         if not self.slices:
             return
         self.steps += 1
-        everything = list(tracked) + list(forced)
+        everything = [*tracked, *forced]
         n = len(everything)
         if not n:
             return
+        pieces = slice_ranges(tracked, turn % self.slices, self.slices)
+        flags = [0] * n
         reasons: dict[int, str] = {}
         views: list[torch.Tensor] = []
         where: list[int] = []
-        flags = torch.zeros(n, dtype=torch.int64)
-        pieces = self._pieces(tracked, (self.steps - 1) % self.slices)
-        for i, t in enumerate(everything):
-            if i >= len(tracked):
-                reasons[i] = "unwatched"
-                views.append(t.detach())
-            elif self._seen.get(t) != _identity(t):
+        moved: list[torch.Tensor] = []
+        for i, t in enumerate(tracked):
+            if self._seen.moved(t):
                 flags[i] = 1
                 reasons[i] = "moved"
                 views.append(t.detach())
+                moved.append(t)
             elif i in pieces:
                 reasons[i] = "slice"
-                views.append(pieces[i])
+                views.append(piece_of(t, pieces[i]))
             else:
                 continue
             where.append(i)
-        slots = torch.zeros(n, dtype=torch.int64)
-        if views:
-            slots[where] = fingerprints(views)
-        hi, lo = self.ranks.max_min(torch.cat([flags, slots]))
-        agreed = hi[:n] == lo[:n]
-        differ = agreed & (hi[n:] != lo[n:])
-        redo = (~agreed).nonzero().flatten().tolist()
-        if redo:   # moved on some ranks only: compare them whole, everywhere
-            for i in redo:
-                reasons[i] = "moved"
-            again = self.ranks.differing([everything[i].detach() for i in redo])
-            for j in again:
-                differ[redo[j]] = True
-        self.record(tracked)
-        bad = differ.nonzero().flatten().tolist()
-        if bad:
-            raise_for(bad, f"optimizer step {self.steps}", reasons)
+        for i in range(len(tracked), n):
+            reasons[i] = "unwatched"
+            views.append(everything[i].detach())
+            where.append(i)
+        slots = [0] * n
+        for i, f in zip(where, fingerprint_list(views)):
+            slots[i] = f
+        self._seen.record(moved)
+        self._pending = _Pending(self.ranks.max_min_async(flags + slots), everything, slots, reasons,
+                                 f"optimizer step {self.steps}", raise_for)
 
-    def _pieces(self, tracked: Sequence[torch.Tensor], piece: int) -> dict[int, torch.Tensor]:
-        """Slice ``piece`` of ``slices``: tensor index -> the flat view of its bytes in that piece."""
-        return {i: piece_of(tracked[i], r) for i, r in slice_ranges(tracked, piece, self.slices).items()}
+    def finish(self) -> None:
+        """Waits for the pending check, if any, and raises ``ReplicaDivergenceError`` (on every rank) for the
+        first tensor that differs between the ranks."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        hi, lo = p.wait()
+        n = len(p.everything)
+        redo = [i for i in range(n) if hi[i] != lo[i]]   # moved on some ranks only: compare them whole, now
+        bad = [(i, p.slots[i]) for i in range(n) if hi[i] == lo[i] and hi[n + i] != lo[n + i]]
+        if redo:
+            whole = fingerprint_list([p.everything[i].detach() for i in redo])
+            most, least = self.ranks.max_min(whole)
+            bad += [(i, f) for i, f, a, b in zip(redo, whole, most, least) if a != b]
+            for i in redo:
+                p.reasons[i] = "moved"
+        if bad:
+            i, fingerprint = min(bad)
+            p.raise_for(i, p.reasons.get(i, "slice"), fingerprint, p.when)
 
 
 def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int] | None]:

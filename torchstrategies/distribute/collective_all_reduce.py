@@ -21,7 +21,7 @@ Example (under torchrun):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, _place
 from torchstrategies.distribute.values import DistributedValues, local_results
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["CollectiveAllReduce"]
+__all__ = ["CollectiveAllReduce", "PendingAllReduce"]
 
 _DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -49,6 +49,21 @@ def _make_group(options: CommunicationOptions) -> dist.ProcessGroup:
     ``timeout_seconds`` (None: the default group's) bounds every collective of the group.
     """
     return collectives.new_group(options)
+
+
+class PendingAllReduce:
+    """An all-reduce in flight (``all_reduce_tensors_async``): ``wait()`` finishes it and returns the reduced
+    tensors (the same ones on later calls; a failed wait raises again)."""
+
+    def __init__(self, finish: Callable[[], list[torch.Tensor]]) -> None:
+        self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._result: list[torch.Tensor] = []
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -104,6 +119,16 @@ class CollectiveAllReduce(CrossDeviceOps):
     def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
                            options: CommunicationOptions | None = None) -> list[torch.Tensor]:
         """Returns each tensor reduced over every worker (new tensors; MEAN divides by the world size)."""
+        return self._all_reduce(op, tensors, options, async_op=False).wait()
+
+    def all_reduce_tensors_async(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
+                                 options: CommunicationOptions | None = None) -> PendingAllReduce:
+        """:meth:`all_reduce_tensors` started now (the inputs are copied: they may change at once); the handle's
+        ``wait()`` returns the reduced tensors. Every worker starts it, and waits for it, in the same order."""
+        return self._all_reduce(op, tensors, options, async_op=True)
+
+    def _all_reduce(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor], options: CommunicationOptions | None,
+                    async_op: bool) -> PendingAllReduce:
         rop = ReduceOp.from_any(op)
         items = [t.detach() for t in tensors]
         if rop is ReduceOp.MEAN:
@@ -113,18 +138,29 @@ class CollectiveAllReduce(CrossDeviceOps):
         opts = self._merged(options)
         group = self._group(opts)
         out: list[torch.Tensor] = list(items)
+        works: list[Any] = []
+        flats: list[tuple[torch.Tensor, Any]] = []
         for pack in make_packs(items, opts.bytes_per_pack):
             if pack.numel == 0:  # only empty tensors: nothing to send
                 for i in pack.indices:
                     out[i] = items[i].clone()
                 continue
             flat = pack.fill(items, None)  # a copy: the inputs stay untouched
-            dist.all_reduce(flat, op=_DIST_OP[rop], group=group)
-            if rop is ReduceOp.MEAN:
-                flat.div_(self.world_size)
-            for i, v in pack.views(items):
-                out[i] = v
-        return out
+            works.append(dist.all_reduce(flat, op=_DIST_OP[rop], group=group, async_op=async_op))
+            flats.append((flat, pack))
+
+        def finish() -> list[torch.Tensor]:
+            for work in works:
+                if work is not None:
+                    work.wait()
+            for flat, pack in flats:
+                if rop is ReduceOp.MEAN:
+                    flat.div_(self.world_size)
+                for i, v in pack.views(items):
+                    out[i] = v
+            return out
+
+        return PendingAllReduce(finish)
 
     def gather(self, t: torch.Tensor, axis: int = 0, options: CommunicationOptions | None = None) -> torch.Tensor:
         """Concatenates every worker's ``t`` along ``axis``; the sizes along ``axis`` may differ."""

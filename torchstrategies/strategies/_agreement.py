@@ -1,29 +1,32 @@
 """MultiWorkerMirroredStrategy's use of the agreement seam (``distribute/agreement.py``): what its ranks must
 hold equal, what to call it in an error, and what likely made it differ.
 
-At every ``optimizer.step()`` (the strategy's step pre-hook, after the gradients are reduced and the MEAN
-buffers averaged) :meth:`WorkerAgreement.before_step` checks, through ``distribute/agreement_step.py``:
-the parameters and the buffers not declared MEAN of the modules made in the scope, and the parameters of
-the stepping optimizer (tracked); the parameters of an optimizer no strategy watches, whole (forced: a model
-and optimizer made outside the scope, trained apart on every rank). :meth:`WorkerAgreement.check_all`
-compares every parameter (a checkpoint save, ``extended.check_divergence()``).
+At every ``optimizer.step()`` :meth:`WorkerAgreement.before_step` (the strategy's step pre-hook, after the
+gradients are reduced and the MEAN buffers averaged) starts the check of ``distribute/agreement_step.py``
+and :meth:`WorkerAgreement.after_step` (the step post-hook, after the update) finishes it: the parameters and
+the buffers not declared MEAN of the modules made in the scope, and the parameters of the stepping optimizer
+(tracked); the parameters of an optimizer no strategy watches, whole (forced: a model and optimizer made
+outside the scope, trained apart on every rank). :meth:`WorkerAgreement.held` walks the modules once a step,
+for this check and for the MEAN buffers' averaging. :meth:`WorkerAgreement.check_all` compares every
+parameter (a checkpoint save, ``extended.check_divergence()``).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
-from torchstrategies.distribute.agreement import RankAgreement
+from torchstrategies.distribute.agreement import RankAgreement, Waitable
 from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, StepAgreement
 from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["WorkerAgreement", "steps_with"]
+__all__ = ["WorkerAgreement", "Held", "steps_with"]
 
 _UNWATCHED = (
     "the optimizer stepping it was made outside strategy.scope() over a model made outside it, so no rank's "
@@ -47,22 +50,37 @@ _DECLARE = (" If the ranks' copies of this buffer should be averaged (a running 
             "ts.declare_buffer_aggregation(module, name, 'mean')")
 
 
+@dataclass
+class Held:
+    """What the ranks hold of the modules a step of one optimizer concerns (one walk,
+    :meth:`WorkerAgreement.held`): ``tracked``, their parameters and the buffers not declared MEAN, then the
+    optimizer's other parameters (compared); ``mean``, their buffers declared MEAN (averaged at the step)."""
+
+    tracked: list[torch.Tensor]
+    mean: list[torch.Tensor]
+
+
 class WorkerAgreement:
     """The agreement of one MultiWorkerMirroredStrategy's ranks.
 
     Args:
         all_reduce: the strategy's ``all_reduce_tensors(op, tensors)`` (its process group).
+        all_reduce_async: the strategy's ``all_reduce_tensors_async(op, tensors)``: the same, started now and
+            finished by the handle's ``wait()``.
         rank, world, device: this rank, the group's size, the rank's device.
         modules: the modules made in the scope (weak references, in creation order).
     """
 
-    def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
-                 world: int, device: torch.device, modules: list[weakref.ref[torch.nn.Module]]) -> None:
-        self.ranks = RankAgreement(all_reduce, rank, world, device)
+    def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]],
+                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable], rank: int, world: int,
+                 device: torch.device, modules: list[weakref.ref[torch.nn.Module]]) -> None:
+        self.ranks = RankAgreement(all_reduce, rank, world, device, all_reduce_async)
         slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
         self.step = StepAgreement(self.ranks, slices)
         self._modules = modules
         self._stepping: weakref.ref[torch.optim.Optimizer] | None = None
+        # Per optimizer, the steps it has taken: its turn through the rotating slice's pieces of its tensors.
+        self._turns: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
     # --- what the modules hold ------------------------------------------------------------------------------
     def _walk(self, optimizer: torch.optim.Optimizer | None = None
@@ -84,6 +102,17 @@ class WorkerAgreement:
                     if b is not None and id(b) not in seen:
                         seen.add(id(b))
                         yield m, name, b, is_mean_buffer(m, name)
+
+    def held(self, optimizer: torch.optim.Optimizer) -> Held:
+        """The tensors a step of ``optimizer`` concerns, in the same order on every rank (one walk)."""
+        tracked: list[torch.Tensor] = []
+        mean: list[torch.Tensor] = []
+        for _, _, t, is_mean in self._walk(optimizer):
+            (mean if is_mean else tracked).append(t)
+        ids = {id(t) for t in tracked}
+        tracked += [p for p in dict.fromkeys(p for g in optimizer.param_groups for p in g["params"])
+                    if id(p) not in ids]
+        return Held(tracked, mean)
 
     def mean_buffers(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
         return [t for _, _, t, mean in self._walk(optimizer) if mean]
@@ -111,40 +140,42 @@ class WorkerAgreement:
         return text
 
     # --- the checks -----------------------------------------------------------------------------------------
-    def before_step(self, optimizer: torch.optim.Optimizer, watched: bool) -> None:
-        """The step pre-hook's check (``watched``: some parameter of ``optimizer`` is the strategy's)."""
-        params = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
-        if not watched:
+    def before_step(self, optimizer: torch.optim.Optimizer, held: Held | None) -> None:
+        """The step pre-hook: starts the check of this step (``held``: what the step concerns, None when no
+        parameter of ``optimizer`` is the strategy's: its parameters are then compared whole)."""
+        if held is None:
             self._stepping = None
             names = {id(p): f"{type(optimizer).__name__}.param_groups[{gi}]['params'][{pi}] (shape "
                             f"{tuple(p.shape)}, made outside the scope)"
                      for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])}
-            forced = list(params)
+            forced = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
             tracked: list[torch.Tensor] = []
         else:
             self._stepping = weakref.ref(optimizer)
-            tracked = [t for _, _, t, mean in self._walk(optimizer) if not mean]
-            ids = {id(t) for t in tracked}
-            tracked += [p for p in params if id(p) not in ids]
-            forced, names = [], {}
+            tracked, forced, names = held.tracked, [], {}
         everything = tracked + forced
+        turn = self._turns.get(optimizer, 0)
+        self._turns[optimizer] = turn + 1
 
-        def raise_for(bad: list[int], when: str, reasons: dict[int, str]) -> None:
-            i = bad[0]
+        def raise_for(i: int, reason: str, fingerprint: int, when: str) -> None:
             t = everything[i]
             name = names.get(id(t)) or self.describe(t)[0]
-            self.ranks.raise_for([(name, t)], when, lambda _: self.cause(t, reasons.get(i, "slice")))
+            self.ranks.raise_for([(name, t)], when, lambda _: self.cause(t, reason), fingerprint)
 
-        self.step.on_step(tracked, forced, raise_for)
+        self.step.start(tracked, forced, turn, raise_for)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step post-hook: the optimizer's own writes are not news at the next step."""
+        """The step post-hook: the optimizer's own writes are not news at the next step; then the check the
+        pre-hook started is finished (it raises, on every rank, if the ranks differ)."""
         if self._stepping is not None and self._stepping() is optimizer:
             self.step.record([p for g in optimizer.param_groups for p in g["params"]])
         self._stepping = None
+        self.step.finish()
 
     def check_all(self, when: str) -> None:
-        """Every parameter of the modules made in the scope, whole (every rank calls it)."""
+        """Every parameter of the modules made in the scope, whole (every rank calls it; a step's check still
+        pending is finished first)."""
+        self.step.finish()
         params = [t for _, _, t, _ in self._walk() if isinstance(t, torch.nn.Parameter)]
         bad = self.ranks.differing(params)
         if bad:

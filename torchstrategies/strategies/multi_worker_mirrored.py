@@ -52,7 +52,7 @@ from torchstrategies.cluster_resolver import (
     TorchrunClusterResolver,
 )
 from torchstrategies.collectives import CommunicationOptions
-from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
+from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce, PendingAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
 from torchstrategies.distribute.input_lib import InputOptions
 from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
@@ -193,8 +193,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         ]).acquire(self))
         # The agreement seam's per-step check (strategies/_agreement.py): every rank the same schedule (debug
         # mode is checked to agree across ranks by the collectives).
-        self.agreement = WorkerAgreement(self.all_reduce_tensors, self._rank, self._world, self._device,
-                                         self._modules)
+        self.agreement = WorkerAgreement(self.all_reduce_tensors, self.all_reduce_tensors_async, self._rank,
+                                         self._world, self._device, self._modules)
         self._closed = False
         _LIVE.add(self)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -392,15 +392,17 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         optimizer none of whose parameters the strategy watches is plain torch beside the strategy (a per-rank
         model, stepped on some ranks only: left alone), unless the strategy watches nothing at all: then the
         model and optimizer were made outside the scope, every rank trains a model of its own, and its
-        parameters are compared across the ranks (issue 46, case 5)."""
+        parameters are compared across the ranks (issue 46, case 5). The check's all-reduce travels during the
+        update; the post-hook finishes it."""
         watched = self._synchronizers.before_step(optimizer)
-        if watched:
-            self.sync_buffers(optimizer)
+        held = self.agreement.held(optimizer) if watched else None   # one walk of the modules a step
+        if held is not None:
+            average_mean_buffers(held.mean, self.all_reduce_tensors)
         if watched or not self._synchronizers.live():
-            self.agreement.before_step(optimizer, watched)
+            self.agreement.before_step(optimizer, held)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.agreement.after_step(optimizer)
+        self.agreement.after_step(optimizer)   # raises ReplicaDivergenceError on every rank, after the update
 
     def synchronizes_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a parameter (or buffer) this strategy adopted (broadcast, synchronized)."""
@@ -476,8 +478,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return tuple(self._synchronizers.live())
 
     # --- communication: every call goes through the strategy's process group ------------------------------
-    def _guard(self, fn: Callable[[], T], what: str) -> T:
-        self._health.seq += 1
+    def _guard(self, fn: Callable[[], T], what: str, started: bool = True) -> T:
+        self._health.seq += started   # (a wait for a collective started earlier is not a new one)
         try:
             return fn()
         except (RuntimeError, TimeoutError) as exc:
@@ -495,6 +497,14 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         rop = ReduceOp.from_any(op)
         return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(rop, tensors, options),
                            f"{rop.name} all-reduce")
+
+    def all_reduce_tensors_async(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor]) -> PendingAllReduce:
+        """:meth:`all_reduce_tensors` started now; the handle's ``wait()`` returns the reduced tensors. Every
+        worker starts it, and waits for it, in the same order."""
+        rop = ReduceOp.from_any(op)
+        what = f"{rop.name} all-reduce"
+        pending = self._guard(lambda: self._cross_device_ops.all_reduce_tensors_async(rop, tensors), what)
+        return PendingAllReduce(lambda: self._guard(pending.wait, what, started=False))
 
     def barrier(self) -> None:
         """Returns when every worker has called it; a dead or hung worker raises a named error."""
