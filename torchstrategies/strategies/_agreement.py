@@ -66,13 +66,13 @@ class WorkerAgreement:
     Args:
         all_reduce: the strategy's ``all_reduce_tensors(op, tensors)`` (its process group).
         all_reduce_async: the strategy's ``all_reduce_tensors_async(op, tensors)``: the same, started now and
-            finished by the handle's ``wait()``.
+            finished by the handle's ``wait()`` (None: at once, as the fault-tolerant mode's commit point needs).
         rank, world, device: this rank, the group's size, the rank's device.
         modules: the modules made in the scope (weak references, in creation order).
     """
 
     def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]],
-                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable], rank: int, world: int,
+                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable] | None, rank: int, world: int,
                  device: torch.device, modules: list[weakref.ref[torch.nn.Module]]) -> None:
         self.ranks = RankAgreement(all_reduce, rank, world, device, all_reduce_async)
         slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
@@ -170,6 +170,12 @@ class WorkerAgreement:
         if self._stepping is not None and self._stepping() is optimizer:
             self.step.record([p for g in optimizer.param_groups for p in g["params"]])
         self._stepping = None
+        self.step.finish()
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The whole check of a step of ``optimizer``, finished now (before its update): the fault-tolerant
+        mode's commit point, where the check belongs to the step's transaction."""
+        self.before_step(optimizer, self.held(optimizer))
         self.step.finish()
 
     def check_all(self, when: str) -> None:

@@ -159,7 +159,7 @@ class TransactionalLoop:
                 continue
             self.generation = gen
             self._agreement = None if gen.size == 1 else WorkerAgreement(
-                self._group_all_reduce, gen.index, gen.size, self._device, [weakref.ref(self.model)])
+                self._group_all_reduce, None, gen.index, gen.size, self._device, [weakref.ref(self.model)])
             self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
@@ -346,7 +346,7 @@ class TransactionalLoop:
         ok = True
         try:
             if self._agreement is not None:
-                self._agreement.before_step(self.optimizer, True)
+                self._agreement.check_step(self.optimizer)
             for f in flats:
                 self.group.allreduce([f.flat]).wait()
         except ReplicaDivergenceError:
