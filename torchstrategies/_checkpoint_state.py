@@ -44,6 +44,8 @@ class Collective(Protocol):
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None: ...
 
+    def all_gather_parts(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+
 
 class RandomState:
     """The random state of this process, for ``Checkpoint(rng=RandomState())``; saved and restored per rank.
@@ -115,17 +117,12 @@ def from_bytes(blob: bytes) -> Any:
 
 
 def gather_per_rank(ext: Collective | None, blob: bytes) -> list[bytes]:
-    """Every rank's ``blob`` in rank order, on every rank (two all-reduces: the longest length, the rows)."""
+    """Every rank's ``blob`` in rank order, on every rank (an all-gather: the lengths, then the padded bytes)."""
     if ext is None:
         return [blob]
-    device = ext.worker_devices[0]  # (NCCL reduces only tensors on the worker's GPU)
-    (longest,) = ext.all_reduce_tensors("max", [torch.tensor([len(blob)], dtype=torch.int64, device=device)])
-    rows = torch.zeros(ext.world_size, int(longest.item()) + 1, dtype=torch.int32)
-    rows[ext.rank, 0] = len(blob)
-    rows[ext.rank, 1:1 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int32)
-    (summed,) = ext.all_reduce_tensors("sum", [rows.to(device)])  # one writer per row: the sum is its bytes
-    summed = summed.cpu()
-    return [bytes(summed[r, 1:1 + int(summed[r, 0])].to(torch.uint8).tolist()) for r in range(ext.world_size)]
+    device = ext.worker_devices[0]  # (NCCL gathers only tensors on the worker's GPU)
+    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    return [part.cpu().numpy().tobytes() for part in ext.all_gather_parts(mine.to(device))]
 
 
 def job_module_state(ext: Collective | None, name: str, module: torch.nn.Module) -> dict[str, Any]:

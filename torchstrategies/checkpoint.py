@@ -65,6 +65,8 @@ from torchstrategies._checkpoint_state import (
     restore_variable,
     to_bytes,
 )
+from torchstrategies.distribute import context as ts_context
+from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.errors import CheckpointError
 from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended, live_extendeds
 
@@ -81,11 +83,33 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _mwms_extended() -> MultiWorkerMirroredExtended | None:
-    """The live MultiWorkerMirroredStrategy's extended, if any (saving is then a collective)."""
-    for ext in list(live_extendeds()):
+def _collective(strategy: Strategy | None, where: str) -> MultiWorkerMirroredExtended | None:
+    """The MultiWorkerMirroredStrategy a checkpoint call talks through (then a collective), or None (local).
+
+    Taken from the caller: ``strategy`` when the Checkpoint was given one, else the strategy whose scope is
+    current, else the one MultiWorkerMirroredStrategy of this process not yet shut down (none: a local
+    checkpoint). A strategy other than MultiWorkerMirrored has nothing to agree with: local.
+
+    Raises:
+        ValueError: ``strategy`` was shut down, or two or more MultiWorkerMirroredStrategy instances are live
+            and the call names none (no ``strategy=``, no scope): which group to talk through is ambiguous.
+    """
+    if strategy is None and ts_context.has_strategy():
+        strategy = ts_context.get_strategy()
+    if strategy is not None:
+        ext = strategy.extended
+        if not isinstance(ext, MultiWorkerMirroredExtended):
+            return None
+        if ext._closed:
+            raise ValueError(f"{where}: the strategy {strategy!r} was shut down; a checkpoint talks through a live "
+                             "MultiWorkerMirroredStrategy")
         return ext
-    return None
+    live = live_extendeds()
+    if len(live) > 1:
+        raise ValueError(
+            f"{where}: {len(live)} MultiWorkerMirroredStrategy instances are live and the call names none, so which "
+            "workers take part is ambiguous: pass Checkpoint(..., strategy=s), or call it inside s.scope()")
+    return live[0] if live else None
 
 
 class Checkpoint:
@@ -106,6 +130,9 @@ class Checkpoint:
 
     Args:
         save_random_state: keyword-only: save and restore the random state of every worker (default True).
+        strategy: keyword-only: the strategy whose workers save and restore together. Default: the one
+            whose scope is current at each call, else the one MultiWorkerMirroredStrategy alive (a
+            ValueError when two are alive and the call names neither), else none (a local checkpoint).
         **objects: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``, distributed datasets,
             :class:`RandomState`, ``torch.Generator``, ``ts.Variable``, other objects with ``state_dict`` and
             ``load_state_dict``, or ``int`` values.
@@ -122,10 +149,13 @@ class Checkpoint:
         3
     """
 
-    def __init__(self, *, save_random_state: bool = True, **objects: object):
+    def __init__(self, *, save_random_state: bool = True, strategy: Strategy | None = None, **objects: object):
         if not isinstance(save_random_state, bool):
             raise TypeError(f"Checkpoint: save_random_state must be True or False, got {save_random_state!r}")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"Checkpoint: strategy must be a torchstrategies Strategy, got {strategy!r}")
         self._save_random_state = save_random_state
+        self._strategy = strategy
         self._objects: dict[str, Any] = {}
         self._kinds: dict[str, str] = {}
         self._ints: dict[str, int] = {}
@@ -154,6 +184,10 @@ class Checkpoint:
         else:
             raise AttributeError(f"Checkpoint has no int attribute {name!r}; pass it to the constructor")
 
+    def _collective(self, where: str) -> MultiWorkerMirroredExtended | None:
+        """The MultiWorkerMirroredStrategy this call talks through (:func:`_collective`), or None."""
+        return _collective(self._strategy, f"Checkpoint {where}")
+
     # --- state -------------------------------------------------------------------------------------------
     def _value(self, ext: MultiWorkerMirroredExtended | None, name: str, obj: Any) -> Any:
         """What is saved of ``obj`` (of a per-rank object: every rank's bytes, in rank order)."""
@@ -180,7 +214,7 @@ class Checkpoint:
               random_state: list[bytes] | None = None) -> None:
         """Checks every value against its object, then loads them: a failed check changes nothing."""
         self._check(targets, values, ints, where, random_state)
-        ext = _mwms_extended()
+        ext = self._collective(where)
         # What may still refuse its state (objects checkpoint.py cannot look into) goes first, undone if it does.
         order = sorted(targets, key=lambda n: self._kinds[n] not in ("stateful", "dataset"))
         undo: list[Callable[[], object]] = []
@@ -219,7 +253,7 @@ class Checkpoint:
         missing = [n for n in targets if n not in values]
         if missing:
             raise CheckpointError(f"checkpoint {where} has no entry for {missing}")
-        ext = _mwms_extended()
+        ext = self._collective(where)
         for name, obj in targets.items():
             why = check_restorable(name, self._kinds[name], obj, values[name], ext)
             if why:
@@ -234,7 +268,7 @@ class Checkpoint:
 
     def save(self, path: str) -> str:
         """Writes a checkpoint to ``path`` (chief only, atomically); a collective under MultiWorkerMirrored."""
-        ext = _mwms_extended()
+        ext = self._collective(f"save to {path!r}")
         if ext is not None:
             ext.check_divergence(f"the checkpoint save to {path!r}")  # what the chief writes is every rank's
         state = self._state(ext)
@@ -308,7 +342,7 @@ class Checkpoint:
         """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        ext = _mwms_extended()
+        ext = self._collective("state_dict")
         out: dict[str, Any] = dict(self._ints)
         for name, obj in self._objects.items():
             kind = self._kinds[name]
@@ -440,7 +474,7 @@ class CheckpointManager:
                 self._save_counter += 1
                 checkpoint_number = self._save_counter
         path = os.path.join(self.directory, f"{self.checkpoint_name}-{int(checkpoint_number)}.pt")
-        ext = _mwms_extended()
+        ext = self.checkpoint._collective(f"save to {path!r}")
         if ext is None or ext.should_checkpoint:
             _remove_temporaries(self.directory, f".{glob.escape(self.checkpoint_name)}-*.pt.tmp-*")
             _remove_temporaries(self.directory, "checkpoint.tmp-*")
@@ -461,7 +495,7 @@ class CheckpointManager:
         worker restores the same one: the newest that every worker could check (one tiny all-reduce per
         round), or none.
         """
-        ext = _mwms_extended()
+        ext = self.checkpoint._collective(f"restore from {self.directory!r}")
         numbered = self._numbered()
         bound: int | None = None
         while True:
@@ -549,7 +583,7 @@ class PreemptionCheckpointHandler:
         return self.manager.checkpoint._ints["step"]
 
     def _agreed(self) -> bool:
-        ext = _mwms_extended()
+        ext = self.manager.checkpoint._collective("preemption agreement")
         if ext is None:
             return self._requested
         flag = torch.tensor([1 if self._requested else 0], dtype=torch.int64, device=ext.worker_devices[0])
@@ -563,7 +597,7 @@ class PreemptionCheckpointHandler:
             path = self.manager.save()
             log.warning("saved %s at step %d; exiting with %d for a restart", path, self.total_run_calls,
                         self.exit_code)
-            ext = _mwms_extended()
+            ext = self.manager.checkpoint._collective("preemption exit")
             if ext is not None:
                 ext.shutdown()
             self._exit_fn(self.exit_code)

@@ -167,19 +167,26 @@ class CollectiveAllReduce(CrossDeviceOps):
         if t.dim() == 0:
             raise ValueError(f"gather needs a tensor of rank >= 1 to concatenate along axis {axis}, got a scalar")
         axis = axis % t.dim()
-        x = t.detach().movedim(axis, 0).contiguous()
+        parts = self.gather_parts(t.detach().movedim(axis, 0), options)
+        return torch.cat(parts, dim=0).movedim(0, axis)
+
+    def gather_parts(self, t: torch.Tensor, options: CommunicationOptions | None = None) -> list[torch.Tensor]:
+        """Every worker's ``t`` (rank >= 1; the sizes along dim 0 may differ), in rank order: two all-gathers,
+        the sizes first, then each worker's rows zero-padded to the longest."""
+        x = t.detach().contiguous()
         group = self._group(self._merged(options))
         n = self.world_size
         sizes = torch.empty(n, dtype=torch.int64, device=x.device)
         dist.all_gather_single(sizes, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=group)
         counts = sizes.tolist()
+        if max(counts) == 0:  # nothing to send
+            return [x[:0].clone() for _ in counts]
         pad = torch.zeros((max(counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         pad[: x.shape[0]] = x
         parts = torch.empty((n * pad.shape[0],) + tuple(pad.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_single(parts, pad, group=group)  # the workers' pads, concatenated along dim 0
         parts = parts.view((n,) + tuple(pad.shape))
-        out = torch.cat([parts[i, :k] for i, k in enumerate(counts)], dim=0)
-        return out.movedim(0, axis)
+        return [parts[i, :k] for i, k in enumerate(counts)]
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    options: CommunicationOptions | None = None) -> None:

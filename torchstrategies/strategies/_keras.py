@@ -34,7 +34,8 @@ only what Keras' loop needs on top, as instance attributes of the model (its cla
 * MWMS ``fit`` on a worker other than the chief gives each ``ModelCheckpoint`` a temporary directory,
   removed after ``fit`` (TF's rule: the chief writes, the others write somewhere harmless).
 
-Keras is never imported here: the model is reached only through the object handed in.
+Keras is never imported here, and never touched directly: every attribute this module reads or replaces
+on a Keras object is named and typed in ``strategies/_keras_api.py`` (the adapter), which checks it.
 """
 
 from __future__ import annotations
@@ -44,15 +45,20 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from torchstrategies.distribute import context as ts_context
-from torchstrategies.distribute.distribute_lib import ReplicaContext
+from torchstrategies.distribute.distribute_lib import ReplicaContext, StrategyExtended
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
+from torchstrategies.strategies import _keras_api as keras_api
+from torchstrategies.strategies._keras_api import BatchNormLayer, KerasModel, KerasVariable, RandomLayer
+
+if TYPE_CHECKING:
+    from torchstrategies.strategies.multi_worker_mirrored import MultiWorkerMirroredExtended
 
 __all__ = ["attach", "is_keras_model", "split_rows"]
 
@@ -60,8 +66,8 @@ _ATTACHED = "_torchstrategies_keras"
 
 
 def is_keras_model(module: torch.nn.Module) -> bool:
-    """Whether the Keras 3 layer ``module`` is a model (it has Keras' training loop)."""
-    return callable(getattr(module, "train_step", None)) and callable(getattr(module, "fit", None))
+    """Whether the Keras 3 layer ``module`` is a model (it has Keras' training loop; checked by the adapter)."""
+    return keras_api.as_model(module) is not None
 
 
 def split_rows(n: int, workers: int, rank: int) -> tuple[int, int]:
@@ -88,12 +94,18 @@ def _map(fn: Callable[[Any], Any], data: Any) -> Any:
     return fn(data)
 
 
+class _Communicator(Protocol):
+    """Sums a tensor over the replicas (the workers, or this process's replicas)."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 class _AllReduceSum(torch.autograd.Function):
     """A SUM all-reduce over the replicas whose gradient is the SUM all-reduce of the gradients (every
     replica's loss depends on the sum)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, comm: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: torch.Tensor, comm: _Communicator) -> torch.Tensor:  # type: ignore[override]
         ctx.comm = comm
         return comm.all_reduce_sum(t.detach()).to(t.device)
 
@@ -115,15 +127,10 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _iterations(optimizer: Any) -> int | None:
-    """The steps a Keras optimizer has applied (None: no optimizer)."""
-    return None if optimizer is None else int(optimizer.iterations.value)
-
-
 class _WorkerCommunicator:
     """Sums over the workers of a MultiWorkerMirrored strategy (one replica each)."""
 
-    def __init__(self, extended: Any) -> None:
+    def __init__(self, extended: MultiWorkerMirroredExtended) -> None:
         self._extended = extended
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,23 +143,25 @@ class _KerasReplicas:
     batch, the loss scale, and the layers that see the global batch (BatchNormalization, random layers).
     Subclasses say how a step runs over the replicas and how they communicate."""
 
-    def __init__(self, extended: Any, model: Any) -> None:
+    def __init__(self, extended: StrategyExtended, model: KerasModel) -> None:
         self.extended = extended
         self.model = model
         self.train_step = model.train_step
         self.test_step = model.test_step
         self.fit = model.fit
         self.rows: dict[int, tuple[int, int, int]] | None = None  # replica -> (start, stop, n) in a train step
-        for layer in model._flatten_layers(include_self=False, recursive=True):
-            if _is_batch_norm(layer):
-                object.__setattr__(layer, "_moments", self._global_moments(layer))
-            elif getattr(layer, "seed_generator", None) is not None:
-                object.__setattr__(layer, "call", self._global_randomness(layer, layer.call))
+        for layer in keras_api.layers(model):
+            bn = keras_api.batch_norm(layer)
+            random = keras_api.random_layer(layer) if bn is None else None
+            if bn is not None:
+                keras_api.override(bn, "_moments", self._global_moments(bn))
+            elif random is not None:
+                keras_api.override(random, "call", self._global_randomness(random, random.call))
 
     def replica_id(self) -> int:
         raise NotImplementedError
 
-    def communicator(self) -> Any:
+    def communicator(self) -> _Communicator:
         raise NotImplementedError
 
     def split(self, data: Any) -> tuple[list[Any], int]:
@@ -167,10 +176,11 @@ class _KerasReplicas:
         self.rows = {r: (start, stop, n) for r, (start, stop) in enumerate(parts)}
         return [_map(functools.partial(_rows, start=start, stop=stop), data) for start, stop in parts], n
 
-    def _global_moments(self, layer: Any) -> Callable[[torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]:
+    def _global_moments(self, layer: BatchNormLayer
+                        ) -> Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]:
         local = layer._moments
 
-        def moments(inputs: torch.Tensor, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def moments(inputs: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             if self.rows is None:
                 return local(inputs, mask)  # a forward pass outside fit: this replica's batch
             if mask is not None:
@@ -188,7 +198,7 @@ class _KerasReplicas:
 
         return moments
 
-    def _global_randomness(self, layer: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    def _global_randomness(self, layer: RandomLayer, call: Callable[..., Any]) -> Callable[..., Any]:
         def call_(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if self.rows is None or not isinstance(inputs, torch.Tensor):
                 return call(inputs, *args, **kwargs)
@@ -200,7 +210,7 @@ class _KerasReplicas:
         return call_
 
     @contextlib.contextmanager
-    def _same_draw(self, layer: Any, device: torch.device) -> Iterator[None]:
+    def _same_draw(self, layer: RandomLayer, device: torch.device) -> Iterator[None]:
         """Every replica of this process draws the same random numbers (a process's replicas share its
         random state). One replica per process: nothing to do."""
         yield
@@ -213,7 +223,8 @@ class _KerasReplicas:
         under tf.distribute (``scale_loss_for_distribution``, in the loss). The value is the replica's own
         loss, so Keras' loss tracker and a custom step's metrics read it as one process does. A step that
         applied gradients without calling ``compute_loss`` raises (they would be summed unscaled)."""
-        model, optimizer = self.model, self.model.optimizer
+        model = keras_api.compiled(self.model)
+        optimizer = model.optimizer
         compute_loss = model.compute_loss  # the class's (a subclass may override it)
         calls: list[int] = []
 
@@ -226,13 +237,13 @@ class _KerasReplicas:
                 return loss
             return _ScaleGradient.apply(loss, (stop - start) / n)
 
-        steps = _iterations(optimizer)
-        object.__setattr__(model, "compute_loss", scaled)
+        steps = keras_api.iterations(optimizer)
+        keras_api.override(model, "compute_loss", scaled)
         try:
             yield
         finally:
-            object.__delattr__(model, "compute_loss")
-        if not calls and _iterations(optimizer) != steps:
+            keras_api.remove_override(model, "compute_loss")
+        if not calls and keras_api.iterations(optimizer) != steps:
             raise RuntimeError(
                 f"The train step of {type(model).__name__} applied gradients of a loss that model.compute_loss did "
                 f"not compute, under {type(self.extended._container_strategy()).__name__} with "
@@ -250,8 +261,9 @@ class _KerasWorker(_KerasReplicas):
     """MultiWorkerMirrored: this process is one replica; it keeps its rows, and metrics and non-trainable
     floats are made global after each step."""
 
-    def __init__(self, extended: Any, model: Any) -> None:
+    def __init__(self, extended: MultiWorkerMirroredExtended, model: KerasModel) -> None:
         super().__init__(extended, model)
+        self.extended: MultiWorkerMirroredExtended = extended
         self._weights_seen = _count_weights(model)  # the strategy adopts these right after attach
 
     def _adopt_new_weights(self) -> None:
@@ -260,18 +272,18 @@ class _KerasWorker(_KerasReplicas):
         synchronized (``_on_module_created`` is idempotent per parameter)."""
         count = _count_weights(self.model)
         if count != self._weights_seen:
-            self.extended._on_module_created(self.model)
+            self.extended._on_module_created(cast(torch.nn.Module, self.model))
             self._weights_seen = count
 
     def replica_id(self) -> int:
         return int(self.extended.rank)
 
-    def _replica(self) -> Any:
+    def _replica(self) -> ReplicaContext:
         """The replica context Keras' step runs in, as in ``strategy.run`` on this worker (TF runs Keras'
         step in ``strategy.run``): ``replica_id_in_sync_group`` is this worker's rank."""
         return ReplicaContext(self.extended._container_strategy(), self.replica_id(), 0)
 
-    def communicator(self) -> Any:
+    def communicator(self) -> _Communicator:
         return _WorkerCommunicator(self.extended)
 
     def _same_shuffle(self) -> None:
@@ -281,10 +293,10 @@ class _KerasWorker(_KerasReplicas):
         self.extended.broadcast_tensors([state], src=0)
         torch.set_rng_state(state.to(torch.uint8))
 
-    def _metric_variables(self) -> list[Any]:
+    def _metric_variables(self) -> list[KerasVariable]:
         return [v for v in self.model.metrics_variables if _is_float(v.value)]
 
-    def _globalize_metrics(self, before: list[torch.Tensor], variables: list[Any]) -> None:
+    def _globalize_metrics(self, before: list[torch.Tensor], variables: Sequence[KerasVariable]) -> None:
         sums = [(v, b) for v, b in zip(variables, before) if v.aggregation == "sum"]
         means = [v for v in variables if v.aggregation == "mean"]
         if sums:
@@ -337,9 +349,10 @@ class _KerasWorker(_KerasReplicas):
         scratch = tempfile.mkdtemp(prefix=f"torchstrategies_keras_worker{self.replica_id()}_")
         try:
             for cb in callbacks:
-                if any(c.__name__ == "ModelCheckpoint" for c in type(cb).__mro__):
-                    moved.append((cb, cb.filepath))
-                    cb.filepath = os.path.join(scratch, os.path.basename(str(cb.filepath)))
+                writer = keras_api.model_checkpoint(cb)
+                if writer is not None:
+                    moved.append((writer, writer.filepath))
+                    writer.filepath = os.path.join(scratch, os.path.basename(str(writer.filepath)))
             return self.fit(*args, **kwargs)
         finally:
             for cb, path in moved:
@@ -354,20 +367,20 @@ class _KerasInProcess(_KerasReplicas):
     the strategy copies the update to every replica's weights. The replicas run one at a time on the
     model's one set of metric variables, so the metrics add up every replica's rows (the global values)."""
 
-    def __init__(self, extended: Any, model: Any) -> None:
+    def __init__(self, extended: StrategyExtended, model: KerasModel) -> None:
         super().__init__(extended, model)
         self._draws: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def replica_id(self) -> int:
         return _replica_context().replica_id_in_sync_group
 
-    def communicator(self) -> Any:
+    def communicator(self) -> _Communicator:
         from torchstrategies.nn.sync_batchnorm import _ReplicaCommunicator
 
         return _ReplicaCommunicator(_replica_context())
 
     @contextlib.contextmanager
-    def _same_draw(self, layer: Any, device: torch.device) -> Iterator[None]:
+    def _same_draw(self, layer: RandomLayer, device: torch.device) -> Iterator[None]:
         """The replicas share this process's random state and run one at a time: replica 0 records the
         state (torch's generator of the device, the layer's seed) before its draw, the others start from
         it, so every replica draws the global batch's numbers, and the state after the step is one draw's."""
@@ -382,22 +395,27 @@ class _KerasInProcess(_KerasReplicas):
 
     @contextlib.contextmanager
     def _merged_apply(self) -> Iterator[None]:
-        optimizer = self.model.optimizer
+        optimizer = keras_api.compiled(self.model).optimizer
+        if optimizer is None:  # nothing applies gradients
+            yield
+            return
         apply = optimizer.apply
 
-        def merged(grads: Any, variables: Any = None) -> Any:
-            variables = list(variables if variables is not None else self.model.trainable_variables)
+        def merged(grads: Sequence[torch.Tensor | None],
+                   trainable_variables: Sequence[KerasVariable] | None = None) -> object:
+            variables = list(trainable_variables if trainable_variables is not None
+                             else self.model.trainable_variables)
 
-            def update(strategy: Any) -> Any:  # cross-replica: .grad is the replicas' sum
+            def update(strategy: object) -> object:  # cross-replica: .grad is the replicas' sum
                 return apply([v.value.grad for v in variables], variables)
 
             return _replica_context().merge_call(update)
 
-        object.__setattr__(optimizer, "apply", merged)
+        keras_api.override(optimizer, "apply", merged)
         try:
             yield
         finally:
-            object.__delattr__(optimizer, "apply")
+            keras_api.remove_override(optimizer, "apply")
 
     def train(self, data: Any) -> Any:
         shards, _ = self.split(data)
@@ -427,7 +445,7 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def _replica_context() -> Any:
+def _replica_context() -> ReplicaContext:
     rc = ts_context.get_replica_context()
     if rc is None:
         raise RuntimeError("Keras' train step of a model under an in-process strategy ran outside strategy.run")
@@ -450,37 +468,42 @@ def _rows(t: Any, start: int, stop: int) -> Any:
     return t[start:stop] if _batched(t) else t
 
 
-def _count_weights(model: Any) -> int:
+def _count_weights(model: KerasModel) -> int:
     return sum(1 for _ in model.parameters())
-
-
-def _is_batch_norm(layer: Any) -> bool:
-    return any(c.__name__ == "BatchNormalization" for c in type(layer).__mro__) and hasattr(layer, "_moments")
 
 
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def _with_global(logs: Any, model: Any) -> Any:
+def _with_global(logs: Any, model: KerasModel) -> Any:
     """The step's logs with every metric replaced by its (now global) result."""
     if not isinstance(logs, dict):
         return logs
     return {**logs, **model.get_metrics_result()}
 
 
-def attach(extended: Any, model: Any, in_process: bool) -> None:
+def attach(extended: StrategyExtended, module: torch.nn.Module, in_process: bool) -> None:
     """Makes ``model.fit`` / ``evaluate`` / ``predict`` train as one model over every replica of
     ``extended``: a MultiWorkerMirrored strategy's (``in_process=False``) or a Mirrored /
     CentralStorage one's (``in_process=True``). Idempotent."""
+    model = keras_api.as_model(module)
+    if model is None:
+        raise TypeError(f"attach: {type(module).__name__} is not a Keras model (it has no train_step and fit)")
     if getattr(model, _ATTACHED, None) is not None:
         return
-    if getattr(model, "jit_compile", False) is True:
+    if model.jit_compile is True:
         raise NotImplementedError(_JIT)
-    worker = (_KerasInProcess if in_process else _KerasWorker)(extended, model)
-    for name, fn in (("train_step", worker.train), ("test_step", worker.test), ("fit", worker.fit_),
-                     ("compile", _compile(model)), (_ATTACHED, worker)):
-        object.__setattr__(model, name, fn)
+    worker: _KerasReplicas
+    if in_process:
+        worker = _KerasInProcess(extended, model)
+    else:
+        worker = _KerasWorker(cast("MultiWorkerMirroredExtended", extended), model)
+    overrides: list[tuple[keras_api.Overridden, object]] = [
+        ("train_step", worker.train), ("test_step", worker.test), ("fit", worker.fit_), ("compile", _compile(model)),
+        ("_torchstrategies_keras", worker)]
+    for name, fn in overrides:
+        keras_api.override(model, name, fn)
 
 
 _JIT = ("jit_compile=True is not supported for a Keras model under a torchstrategies strategy (torch.compile of "
@@ -488,7 +511,7 @@ _JIT = ("jit_compile=True is not supported for a Keras model under a torchstrate
         "model with jit_compile=False (Keras' default on the torch backend)")
 
 
-def _compile(model: Any) -> Callable[..., Any]:
+def _compile(model: KerasModel) -> Callable[..., Any]:
     compile_ = model.compile
 
     def compile(*args: Any, **kwargs: Any) -> Any:

@@ -17,8 +17,9 @@ import torch
 from torchstrategies.distribute.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import Strategy
+from torchstrategies.distribute.distributed_variables import create_distributed_variable
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
-from torchstrategies.distribute.variables import Variable, create_distributed_variable
+from torchstrategies.distribute.variables import Variable
 from torchstrategies.strategies.mirrored import MirroredExtended, _default_devices
 from torchstrategies.strategies.one_device import canonical_device
 

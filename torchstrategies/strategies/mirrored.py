@@ -36,6 +36,7 @@ from torchstrategies.distribute.cross_device_ops import (
 )
 from torchstrategies.distribute.device_util import DeviceLike
 from torchstrategies.distribute.distribute_lib import ReplicaContext, Strategy, StrategyExtended
+from torchstrategies.distribute.distributed_variables import create_distributed_variable
 from torchstrategies.distribute.enums import VariableAggregation, VariableSynchronization
 from torchstrategies.distribute.input_lib import InputOptions
 from torchstrategies.distribute.mirrored_run import (
@@ -48,7 +49,7 @@ from torchstrategies.distribute.replica_share import guard_embedding, guard_regi
 from torchstrategies.distribute.replicated import ReplicatedTensors
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
-from torchstrategies.distribute.variables import Variable, component_variables, create_distributed_variable
+from torchstrategies.distribute.variables import Variable, component_variables
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
 from torchstrategies.strategies._metric_schedulers import in_process_plateau_step

@@ -506,6 +506,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         pending = self._guard(lambda: self._cross_device_ops.all_reduce_tensors_async(rop, tensors), what)
         return PendingAllReduce(lambda: self._guard(pending.wait, what, started=False))
 
+    def all_gather_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every worker's ``t`` (rank >= 1, its length along dim 0 may differ), in rank order, on every worker
+        (the sizes, then the rows padded to the longest: two all-gathers). Every worker calls it."""
+        return self._guard(lambda: self._cross_device_ops.gather_parts(t), "all-gather")
+
     def barrier(self) -> None:
         """Returns when every worker has called it; a dead or hung worker raises a named error."""
         self._guard(self._cross_device_ops.barrier, "barrier")
