@@ -13,7 +13,9 @@ last one is shut down or collected:
   scope is tracked like a module constructed there (its parameters are not registered again);
 * ``torch.optim.Optimizer.__init__`` is wrapped -> ``extended._on_optimizer_created(optimizer)`` right
   after the base ``__init__`` returns (``param_groups``/``defaults``/``state`` exist; attributes a
-  subclass sets after its ``super().__init__`` call may not exist yet).
+  subclass sets after its ``super().__init__`` call may not exist yet); which strategy's scope made it is
+  kept in ``OPTIMIZERS`` (an :class:`OptimizerOwners`, keyed weakly by the optimizer: nothing is written on
+  the user's object).
 
 Modules that had a parameter, buffer or submodule registered inside the scope are tracked; the roots
 among them (those that are not a submodule of another tracked module) are handed to
@@ -37,7 +39,7 @@ from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 if TYPE_CHECKING:  # pragma: no cover
     from torchstrategies.distribute.distribute_lib import StrategyExtended
 
-__all__ = ["PATCHES", "current_extended"]
+__all__ = ["OPTIMIZERS", "PATCHES", "OptimizerOwners", "current_extended"]
 
 T = TypeVar("T", bound=torch.Tensor)
 
@@ -48,6 +50,36 @@ def current_extended() -> StrategyExtended | None:
     if mode.is_default or mode.cross_replica is None:
         return None
     return mode.strategy.extended
+
+
+class OptimizerOwners:
+    """Which strategy's scope made each optimizer: recorded once, when ``Optimizer.__init__`` returns in a
+    scope; read by the in-process strategies' step guard and merged step (``strategies/mirrored.py``).
+    Keyed weakly by the optimizer and holding the strategy weakly, so it extends no lifetime; an entry
+    outlives its strategy (the optimizer stays "made in a scope", with no owner)."""
+
+    def __init__(self) -> None:
+        self._owners: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[StrategyExtended]] = (
+            weakref.WeakKeyDictionary())
+
+    def record(self, optimizer: torch.optim.Optimizer, extended: StrategyExtended) -> bool:
+        """Records ``extended`` as ``optimizer``'s owner; False (and nothing changes) if it has one already."""
+        if optimizer in self._owners:
+            return False
+        self._owners[optimizer] = weakref.ref(extended)
+        return True
+
+    def made_in_a_scope(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` was made in some strategy's scope (alive or not)."""
+        return optimizer in self._owners
+
+    def owner(self, optimizer: torch.optim.Optimizer) -> StrategyExtended | None:
+        """The live StrategyExtended whose scope made ``optimizer``, else None."""
+        ref = self._owners.get(optimizer)
+        return ref() if ref is not None else None
+
+
+OPTIMIZERS = OptimizerOwners()
 
 
 def _parameter_hook(
@@ -87,9 +119,7 @@ def _optimizer_init(orig: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:  # torch's own signature
         orig(self, *args, **kwargs)
         ext = current_extended()
-        if ext is not None and not getattr(self, "_torchstrategies_seen", False):
-            setattr(self, "_torchstrategies_seen", True)  # noqa: B010 - a mark on torch's class, not typed there
-            setattr(self, "_torchstrategies_owner", weakref.ref(ext))  # noqa: B010 - whose scope made it
+        if ext is not None and OPTIMIZERS.record(self, ext):
             ext._on_optimizer_created(self)
 
     return __init__

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 
 from torchstrategies.distribute import context
+from torchstrategies.distribute.creation import OPTIMIZERS
 from torchstrategies.distribute.cross_device_ops import (
     CrossDeviceOps,
     destination_devices,
@@ -96,8 +98,7 @@ def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], k
     """A global optimizer step pre-hook. In replica context of a strategy: an optimizer made in another
     strategy's scope is an error (as nested scopes of two strategies are); inside ``run`` of an in-process
     strategy with several replicas, an optimizer made outside any scope would step once per replica."""
-    owner_ref = getattr(opt, "_torchstrategies_owner", None)
-    owner = owner_ref() if owner_ref is not None else None
+    owner = OPTIMIZERS.owner(opt)
     mode = context.current_mode()
     if owner is not None and not mode.is_default and mode.replica_context is not None and (
         owner is not mode.strategy.extended
@@ -108,7 +109,7 @@ def _outside_scope_guard(opt: torch.optim.Optimizer, args: tuple[object, ...], k
             "model and the optimizer in the scope of the strategy that runs the step"
         )
     replica = current_replica()
-    if replica is None or getattr(opt, "_torchstrategies_seen", False) or len(replica.run.devices) < 2:
+    if replica is None or OPTIMIZERS.made_in_a_scope(opt) or len(replica.run.devices) < 2:
         return
     raise RuntimeError(
         f"{type(opt).__name__}.step() was called inside strategy.run on an optimizer created outside "
@@ -238,6 +239,9 @@ class MirroredExtended(StrategyExtended):
         self._replicated = ReplicatedTensors(self._worker_devices, self._cross_device_ops)
         # One replica computing where the variables live: it computes with them as they are.
         self._one_view = self._worker_devices == (self._variable_device,)
+        # The optimizers made in this scope whose step is merged (``_merged_step``): held here, keyed weakly,
+        # nothing written on the user's object.
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._torch_leases.append(PATCHES.acquire(self))
 
     # -- running ----------------------------------------------------------------------------------
@@ -264,6 +268,10 @@ class MirroredExtended(StrategyExtended):
             return [t]
         self._replicated.refresh()
         return self._replicated.components(t)
+
+    def _replicated_of(self, optimizer: torch.optim.Optimizer) -> ReplicatedTensors | None:
+        """This strategy's replicated tensors if ``optimizer`` was made in its scope, else None."""
+        return self._replicated if optimizer in self._optimizers else None
 
     # -- communication ----------------------------------------------------------------------------
     def _reduce_to(
@@ -352,9 +360,15 @@ class MirroredExtended(StrategyExtended):
         """Its parameters are replicated, and its ``step()`` inside ``run`` becomes a merge_call: one
         update of the primaries from the replicas' summed gradients (``_merged_step``)."""
         self._replicated.add_optimizer(optimizer)
-        optimizer._torchstrategies_replicated = self._replicated  # type: ignore[attr-defined]
+        self._optimizers.add(optimizer)
         if not getattr(type(optimizer).step, "_torchstrategies_wrapped", False):
             PATCHES.add(functools.partial(wrap_attribute, type(optimizer), "step", _merged_step))
+
+
+def _replicated_of(optimizer: torch.optim.Optimizer) -> ReplicatedTensors | None:
+    """The replicated tensors of the live in-process strategy whose scope made ``optimizer``, else None."""
+    owner = OPTIMIZERS.owner(optimizer)
+    return owner._replicated_of(optimizer) if isinstance(owner, MirroredExtended) else None
 
 
 def _merged_step(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -365,7 +379,7 @@ def _merged_step(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(orig)
     def step(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> Any:
-        replicated = getattr(self, "_torchstrategies_replicated", None)
+        replicated = _replicated_of(self)
         if replicated is None:
             return orig(self, *args, **kwargs)
         replica = current_replica()
@@ -386,7 +400,7 @@ def _update_of(optimizer: torch.optim.Optimizer) -> Callable[[Strategy], object]
     where buffers are synchronized, docs/strategies.md), then one update from the summed gradients."""
 
     def update(strategy: Strategy) -> object:
-        replicated = getattr(optimizer, "_torchstrategies_replicated", None)
+        replicated = _replicated_of(optimizer)
         if replicated is not None:
             replicated.fold_buffers()
         return optimizer.step()  # (in cross-replica context: the update, and the mark for the seed)
