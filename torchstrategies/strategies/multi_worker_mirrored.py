@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import functools
 import itertools
 import logging
-import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,26 +43,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import DataLoader
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchstrategies.cluster_resolver import (
-    ClusterResolver,
-    SimpleClusterResolver,
-    TFConfigClusterResolver,
-    TorchrunClusterResolver,
-)
+from torchstrategies.cluster_resolver import ClusterResolver
 from torchstrategies.collectives import CommunicationOptions
-from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce, PendingAllReduce
-from torchstrategies.distribute.distribute_lib import Strategy, StrategyExtended
+from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
+from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.distribute.input_lib import InputOptions
 from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
-from torchstrategies.distribute.values import (
-    Destinations,
-    DistributedValues,
-    Mirrored,
-    Reducible,
-    local_results,
-)
-from torchstrategies.errors import TorchStrategiesError, UnavailableError
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
 from torchstrategies.strategies._agreement import WorkerAgreement
@@ -77,6 +62,8 @@ from torchstrategies.strategies._grad_sync import (
 )
 from torchstrategies.strategies._health import HealthMonitor
 from torchstrategies.strategies._metric_schedulers import multi_worker_plateau_step
+from torchstrategies.strategies._mw_cluster import join_cluster
+from torchstrategies.strategies._mw_collectives import WorkerCollectives
 from torchstrategies.strategies._mw_input import WorkerShardedDataset, is_map_style_loader, loader_seed
 from torchstrategies.strategies._step_sync import Synchronizers, average_mean_buffers
 
@@ -84,7 +71,6 @@ __all__ = ["MultiWorkerMirroredStrategy", "MultiWorkerMirroredExtended", "live_e
            "allreduce_hook", "CompressionHook"]
 
 log = logging.getLogger("torchstrategies.multi_worker")
-T = TypeVar("T")
 
 _COMPRESSION = {None: None, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
@@ -101,37 +87,15 @@ def live_extendeds() -> list[MultiWorkerMirroredExtended]:
     return [e for e in _LIVE if not e._closed]
 
 
-def _import_dynamo_first() -> None:
-    """Imports torch._dynamo before the strategy makes any process group.
-
-    torch 2.13 keeps a process group that existed when torch._dynamo was first imported alive after
-    ``destroy_process_group()`` (references from C++, found by experiment). Creating any torch optimizer
-    imports torch._dynamo (about 1.3 s), which users do right after making the strategy. A gloo group kept
-    alive that way still has its worker threads at interpreter exit; one that frees its last work item
-    during finalization aborts the process ("terminate called without an active exception", exit -6 under
-    torchrun). Importing it first costs nothing extra when an optimizer follows, and lets ``shutdown()``
-    free the groups and their threads.
-    """
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - a torch without dynamo has nothing to capture the group either
-        pass
-
-
 def _shutdown_at_exit(ref: weakref.ref[MultiWorkerMirroredExtended]) -> None:
     extended = ref()
     if extended is not None:
         extended.shutdown()
 
 
-def _default_resolver() -> ClusterResolver:
-    if "RANK" in os.environ or "TF_CONFIG" not in os.environ:
-        return TorchrunClusterResolver()
-    return TFConfigClusterResolver()
-
-
-class MultiWorkerMirroredExtended(StrategyExtended):
-    """The extended API of :class:`MultiWorkerMirroredStrategy` (``strategy.extended``)."""
+class MultiWorkerMirroredExtended(WorkerCollectives):
+    """The extended API of :class:`MultiWorkerMirroredStrategy` (``strategy.extended``); its cross-worker calls
+    are its base's, :class:`WorkerCollectives` (``_mw_collectives.py``)."""
 
     def __init__(self, container: Strategy, communication_options: CommunicationOptions | None,
                  cluster_resolver: ClusterResolver | None, gradient_compression: str | torch.dtype | None,
@@ -144,11 +108,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             raise ValueError(
                 f"gradient_compression must be None, 'float16' or 'bfloat16', got {gradient_compression!r}")
         self._compression = _COMPRESSION[gradient_compression]
-        self._owns_process_group = False
-        self._store: dist.Store | None = None
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}")
-        self._cluster_resolver = self._join_cluster(cluster_resolver, process_group)
+        joined = join_cluster(cluster_resolver, process_group, self._options)  # (strategies/_mw_cluster.py)
+        self._cluster_resolver, self._device = joined.resolver, joined.device
+        self._store: dist.Store | None = joined.store
+        self._owns_process_group = joined.owns_process_group
         # The one seam: every cross-worker operation of this strategy goes through its process group.
         self._cross_device_ops = CollectiveAllReduce(self._options, group=process_group)
         self._rank, self._world = self._cross_device_ops.rank, self._cross_device_ops.world_size
@@ -200,81 +165,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         log.info("MultiWorkerMirroredStrategy: rank %d of %d on %s, %r", self._rank, self._world, self._device,
                  self._cross_device_ops)
-
-    # --- set-up -------------------------------------------------------------------------------------------
-    def _join_cluster(self, cluster_resolver: ClusterResolver | None,
-                      process_group: dist.ProcessGroup | None) -> ClusterResolver:
-        """Picks the device and the resolver, and initializes the default process group if nobody has;
-        checks that the resolver and an existing process group agree on this rank and the world."""
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-            if cluster_resolver is None:
-                if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-                    cluster_resolver = TorchrunClusterResolver()
-                else:
-                    cluster_resolver = SimpleClusterResolver({"worker": [f"rank:{r}" for r in range(world)]},
-                                                             task_type="worker", task_id=rank)
-        else:
-            if process_group is not None:
-                raise ValueError("process_group was given but torch.distributed is not initialized")
-            if cluster_resolver is None:
-                cluster_resolver = _default_resolver()
-            rank, world = cluster_resolver.rank, cluster_resolver.world_size
-        self._device = self._pick_device(cluster_resolver)
-        _import_dynamo_first()
-        if not dist.is_initialized():
-            self._init_process_group(cluster_resolver)
-            rank, world = dist.get_rank(), dist.get_world_size()
-        elif cluster_resolver.world_size != world or cluster_resolver.rank != rank:
-            raise ValueError(
-                f"the cluster resolver says rank {cluster_resolver.rank} of {cluster_resolver.world_size}, but the "
-                f"initialized process group is rank {rank} of {world}")
-        if process_group is not None and process_group.size() != world:
-            raise ValueError(f"MultiWorkerMirroredStrategy spans every worker: process_group has "
-                             f"{process_group.size()} of the {world} ranks")
-        return cluster_resolver
-
-    @staticmethod
-    def _pick_device(resolver: ClusterResolver) -> torch.device:
-        if torch.cuda.is_available():
-            local = resolver.local_rank
-            if local >= torch.cuda.device_count():
-                raise ValueError(
-                    f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible; launch "
-                    f"at most {torch.cuda.device_count()} processes per node (torchrun --nproc_per_node)")
-            torch.cuda.set_device(local)
-            return torch.device("cuda", local)
-        return torch.device("cpu")
-
-    def _init_process_group(self, resolver: ClusterResolver) -> None:
-        backend = "nccl" if self._device.type == "cuda" else "gloo"
-        try:
-            addr, port = resolver.master_addr, resolver.master_port
-            rank, world = resolver.rank, resolver.world_size
-        except ValueError as exc:
-            raise ValueError(f"MultiWorkerMirroredStrategy cannot find the cluster: {exc}") from None
-        timeout = None
-        if self._options.timeout_seconds is not None:
-            timeout = datetime.timedelta(seconds=float(self._options.timeout_seconds))
-        # Under torchrun the agent hosts the store and keeps it across restarts (--max-restarts): keys of an
-        # earlier attempt (e.g. gloo's peer addresses) would be read back stale, so each attempt gets its
-        # own key prefix. Elsewhere rank 0 hosts the store.
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store_timeout = timeout if timeout is not None else dist.distributed_c10d.default_pg_timeout
-        try:
-            store: dist.Store = dist.TCPStore(addr, port, world_size=world, is_master=(not agent and rank == 0),
-                                       timeout=store_timeout, wait_for_workers=False)
-        except (RuntimeError, OSError) as exc:
-            raise UnavailableError(
-                f"MultiWorkerMirroredStrategy: rank {rank} cannot reach the rendezvous store at {addr}:{port} "
-                f"({exc}). Check MASTER_ADDR/MASTER_PORT (or TF_CONFIG) and that rank 0 is running.") from exc
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        store = dist.PrefixStore(f"torchstrategies/{run_id}/attempt_{attempt}/", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                                device_id=self._device if self._device.type == "cuda" else None)
-        self._store = store
-        self._owns_process_group = True
 
     def shutdown(self) -> None:
         """Removes the hooks, stops the heartbeat and destroys the process groups this strategy made."""
@@ -476,69 +366,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     @property
     def gradient_synchronizers(self) -> tuple[GradientSynchronizer, ...]:
         return tuple(self._synchronizers.live())
-
-    # --- communication: every call goes through the strategy's process group ------------------------------
-    def _guard(self, fn: Callable[[], T], what: str, started: bool = True) -> T:
-        self._health.seq += started   # (a wait for a collective started earlier is not a new one)
-        try:
-            return fn()
-        except (RuntimeError, TimeoutError) as exc:
-            if isinstance(exc, TorchStrategiesError):
-                raise
-            raise self._health.diagnose(exc, what) from exc
-
-    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Overwrites ``tensors`` in place with rank ``src``'s values (packed per dtype). Every worker calls it."""
-        self._guard(lambda: self._cross_device_ops.broadcast_(tensors, src), "broadcast")
-
-    def all_reduce_tensors(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
-                           options: CommunicationOptions | None = None) -> list[torch.Tensor]:
-        """Each tensor reduced over every worker (new tensors), in any context. Every worker calls it."""
-        rop = ReduceOp.from_any(op)
-        return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(rop, tensors, options),
-                           f"{rop.name} all-reduce")
-
-    def all_reduce_tensors_async(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor]) -> PendingAllReduce:
-        """:meth:`all_reduce_tensors` started now; the handle's ``wait()`` returns the reduced tensors. Every
-        worker starts it, and waits for it, in the same order."""
-        rop = ReduceOp.from_any(op)
-        what = f"{rop.name} all-reduce"
-        pending = self._guard(lambda: self._cross_device_ops.all_reduce_tensors_async(rop, tensors), what)
-        return PendingAllReduce(lambda: self._guard(pending.wait, what, started=False))
-
-    def all_gather_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every worker's ``t`` (rank >= 1, its length along dim 0 may differ), in rank order, on every worker
-        (the sizes, then the rows padded to the longest: two all-gathers). Every worker calls it."""
-        return self._guard(lambda: self._cross_device_ops.gather_parts(t), "all-gather")
-
-    def barrier(self) -> None:
-        """Returns when every worker has called it; a dead or hung worker raises a named error."""
-        self._guard(self._cross_device_ops.barrier, "barrier")
-
-    def _reduce_to(self, op: ReduceOp, value: Reducible, destinations: Destinations | None,
-                   options: CommunicationOptions | None) -> torch.Tensor | Mirrored[torch.Tensor]:
-        return self._batch_reduce_to(op, [(value, destinations)], options)[0]
-
-    def _batch_reduce_to(self, op: ReduceOp, pairs: Sequence[tuple[Reducible, Destinations | None]],
-                         options: CommunicationOptions | None) -> list[torch.Tensor | Mirrored[torch.Tensor]]:
-        tensors = []
-        for v, _ in pairs:
-            comps = local_results(v) if isinstance(v, DistributedValues) else (v,)
-            if len(comps) != 1:
-                raise ValueError(f"MultiWorkerMirroredStrategy has one replica per worker, got {len(comps)} "
-                                 f"components in {v!r}")
-            tensors.append(torch.as_tensor(comps[0]))
-        reduced = self.all_reduce_tensors(op, tensors, options)
-        return [self._to_destinations(r, self._destination_devices(d)) for r, (_, d) in zip(reduced, pairs)]
-
-    def _gather_to(self, value: Reducible, destinations: Destinations | None, axis: int,
-                   options: CommunicationOptions | None) -> torch.Tensor | Mirrored[torch.Tensor]:
-        comps = local_results(value) if isinstance(value, DistributedValues) else (value,)
-        t = torch.as_tensor(comps[0])
-        if t.dim() == 0:
-            raise ValueError(f"gather needs a tensor of rank >= 1 to concatenate along axis {axis}, got a scalar")
-        out = self._guard(lambda: self._cross_device_ops.gather(t, axis, options), "all-gather")
-        return self._to_destinations(out, self._destination_devices(destinations))
 
     # --- input --------------------------------------------------------------------------------------------
     def _input_workers(self) -> tuple[int, int]:
