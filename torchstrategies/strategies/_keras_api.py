@@ -1,8 +1,9 @@
 """Everything torchstrategies uses of Keras 3 (torch backend), named and typed in one place.
 
-``strategies/_keras.py`` reaches a Keras object only through this module: the :class:`typing.Protocol`
-classes below list each attribute and method it reads, and :func:`override` / :func:`remove_override` are
-the one way it replaces one on an instance (the class is never touched). When a Keras release renames or
+``strategies/_keras.py`` (and its ``_keras_replicas.py``, ``_keras_worker.py``, ``_keras_in_process.py``)
+reach a Keras object only through this module: the :class:`typing.Protocol` classes below list each
+attribute and method they read, and :func:`override` / :func:`remove_override` are the one way they
+replace one on an instance (the class is never touched). When a Keras release renames or
 drops one of them, :func:`check` names it here (``tests/test_keras_adapter.py`` runs it against the current
 and the previous Keras minor release), instead of an ``AttributeError`` deep in a train step or, worse, a
 silently local statistic.

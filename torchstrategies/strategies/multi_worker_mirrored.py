@@ -6,11 +6,12 @@ TF's ``tf.distribute.MultiWorkerMirroredStrategy`` for PyTorch. Each process (wo
 * Launch: ``torchrun --standalone --nproc_per_node=2 train.py`` (or ``--nnodes``/rendezvous on many hosts);
   a ``TF_CONFIG`` cluster works through ``TFConfigClusterResolver``. The strategy initializes the default
   process group itself when the caller has not (gloo on CPU, NCCL on CUDA, timeout from
-  ``communication_options.timeout_seconds``) and destroys it in :meth:`shutdown` (also at exit).
+  ``communication_options.timeout_seconds``: ``_mw_cluster.py``) and destroys it in :meth:`shutdown` (also
+  at exit).
 * ONE torch ProcessGroup carries all cross-worker traffic: the user's (``process_group=``), else one the
   strategy makes from ``communication_options`` (``distribute/collective_all_reduce.py``): gradients,
   the initial broadcast, ``reduce``/``gather``/``reduce_to``, SyncBatchNorm, checkpoints, barriers and
-  input agreement, all with public ``torch.distributed`` calls.
+  input agreement, all with public ``torch.distributed`` calls (the extended's calls: ``_mw_collectives.py``).
 * Under ``scope()``: modules are moved to the local device (``cuda:LOCAL_RANK`` or cpu) and their
   parameters and buffers broadcast from rank 0, so workers start identical whatever their seeds. A tensor
   is synced once; the strategy remembers it by a weak reference, so a tensor made later at a freed one's
