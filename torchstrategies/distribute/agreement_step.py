@@ -41,8 +41,10 @@ __all__ = ["StepAgreement", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
 # write torch does not count (version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES
-# of the model. What the check costs at this value is measured in docs/strategies.md (Agreement).
-AGREEMENT_SLICES = 8
+# of the model, the larger part of what the check costs a step (the bytes come from memory, not cache), so the
+# default is the largest value the promise allows (issue 46: any divergence named within 10 steps). What the
+# check costs at this value is measured in docs/strategies.md (Agreement).
+AGREEMENT_SLICES = 10
 
 # raise_for(index into tracked + forced, reason, the fingerprint this rank compared, when): raises the error.
 RaiseFor = Callable[[int, str, int, str], None]
