@@ -111,3 +111,17 @@ def test_compare_races_the_kernels_at_one_thread_count() -> None:
     assert [row["use"] for row in advice({"kernels": r}).rows] == ["accumulate_n"]
     single = BenchResult("k", list(kernels.COLUMNS), rows[:2], [], meta)
     assert _at_one_thread_count(single).rows == rows[:2]  # one thread count: unchanged
+
+
+def test_compare_never_advises_the_hash_for_summing() -> None:
+    """hash_tensors is a row of bench kernels (the agreement seam's fingerprint, a reference figure), not a way
+    to sum tensors: compare leaves it out of the race even where it is the fastest row (it was advised as
+    'use' at 16M elements, N=4, in `make demo`)."""
+    from torchstrategies.cli.compare import advice
+
+    r = kernels.run(ns=(2,), sizes=(1000,), repeats=1, progress=False, threads=(1,))
+    for row in r.rows:
+        row["ms"] = 1e-9 if row["method"] == "hash_tensors" else 1.0 + len(row["method"]) * 1e-3
+    rows = advice({"kernels": r}).rows
+    assert [row["use"] for row in rows] == ["add_n"]  # the fastest sum: the shortest name by construction
+    assert all(row["runner-up"] != "hash_tensors" for row in rows)

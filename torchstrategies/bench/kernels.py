@@ -185,6 +185,8 @@ def _run(ns: Sequence[int], sizes: Sequence[int], repeats: int, progress: bool, 
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": cpu_model(), "repeats": repeats,
         "loadavg": _loadavg(), "roofline_gbps": roofline, "dtype": "float32",
         "roles": {"impl": "method", "size": "elements", "time": "ms", "group": "N"},  # for compare
+        # rows that compute something else than the sum (the hash: a reference figure), never advised
+        "baselines": sorted(_READ_ONLY),
     }
     return BenchResult("Summing N float32 tensors (CPU)", list(COLUMNS), rows, notes, meta)
 
