@@ -76,6 +76,10 @@ class GlobalBatches:
         lo = sum(sizes[:index])
         return chunk[lo:lo + sizes[index]]
 
+    def local_rows(self, step: int, index: int, members: int) -> int:
+        """How many rows member ``index`` of ``members`` gets of global batch ``step``."""
+        return split_sizes(len(self.indices(step)), members)[index]
+
     def local_batch(self, step: int, index: int, members: int) -> Any:
         """Member ``index`` of ``members``' part of global batch ``step`` (0 rows when the batch has fewer
         rows than members and this member's part is empty)."""

@@ -56,10 +56,13 @@ from torchstrategies.strategies.fault_tolerance.group import (
     CollectiveFailed,
     Flat,
     Group,
+    Pending,
     all_reduce,
     make_group,
+    start_all_reduce,
 )
 from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership, Refused
+from torchstrategies.strategies.fault_tolerance.snapshot import StepSnapshot
 from torchstrategies.strategies.fault_tolerance.state_transfer import broadcast_state
 
 __all__ = ["TransactionalLoop", "StepAborted"]
@@ -115,7 +118,8 @@ class TransactionalLoop:
         self.phase_hook: Callable[[str], None] | None = None
         self._flats: list[Flat] = []
         self._layout: list[tuple[torch.nn.Parameter, torch.dtype, torch.Size]] = []
-        self._had = torch.zeros(0)
+        self._had: list[bool] = []     # per trainable parameter: backward gave it a gradient in this attempt
+        self._snapshot = StepSnapshot(model, device)
         self._hooks: list[Any] = []
         self._phase_of_step = _Phase.IDLE
         self._decided = False        # this member took part in the step's decision
@@ -242,23 +246,20 @@ class TransactionalLoop:
             gen = self.generation
             assert gen is not None and self.group is not None
             flats = self._flats_for_step()
-            buffers = list(self.model.buffers())
-            saved = [b.clone() for b in buffers]
-            rng = random_states.RandomStates(self._device)
+            self._snapshot.take()
             batch = self.data.local_batch(self.steps, gen.index, gen.size)
-            self._share = len(self.data.local_indices(self.steps, gen.index, gen.size)) / self.data.global_batch_size
-            for f in flats:
-                f.flat.zero_()
-                for p, v in zip(f.params, f.views):
-                    p.grad = v
-            self._had.zero_()
+            self._share = self.data.local_rows(self.steps, gen.index, gen.size) / self.data.global_batch_size
+            for f in flats:  # each attempt starts from no gradient; the hooks copy backward's into the views
+                for p in f.params:
+                    p.grad = None
+            self._had = [False] * len(self._had)
             self._decided, self._joiners, self._stepped = False, 0, False
             self._phase_of_step = _Phase.OPEN
             try:
                 self._phase("forward")
                 result = step_fn(batch)
             except StepAborted:
-                self._discard(gen, buffers, saved, rng)
+                self._discard(gen)
                 self.aborted += 1
                 log.warning("step %d discarded in generation %d; forming the next generation", self.steps,
                             gen.number)
@@ -267,10 +268,10 @@ class TransactionalLoop:
                 if self._phase_of_step is _Phase.COMMITTED:  # applied on every member: it counts
                     self._end_step()
                 else:
-                    self._discard(gen, buffers, saved, rng)
+                    self._discard(gen)
                 raise
             if self._phase_of_step is not _Phase.COMMITTED:
-                self._discard(gen, buffers, saved, rng)
+                self._discard(gen)
                 raise RuntimeError(
                     f"fault-tolerant MultiWorkerMirrored: step_fn returned at step {self.steps} without calling "
                     "backward() on a loss of the model's parameters: the end of backward() is the step's commit "
@@ -284,16 +285,12 @@ class TransactionalLoop:
         if self._joiners:
             self._leave_group()  # workers wait to join: the next step forms a generation with them
 
-    def _discard(self, gen: Generation, buffers: list[torch.Tensor], saved: list[torch.Tensor],
-                 rng: random_states.RandomStates) -> None:
+    def _discard(self, gen: Generation) -> None:
         """Unwinds an attempt that did not commit: nothing of it stays, and this member leaves the group."""
         self._phase_of_step = _Phase.IDLE
         if not self._decided:
             self._membership.commit(gen, self.steps, False)  # the others redo this step without waiting
-        with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)
-        rng.restore()
+        self._snapshot.restore()
         for f in self._flats:
             for p in f.params:
                 p.grad = None
@@ -310,14 +307,16 @@ class TransactionalLoop:
             dtypes = list(dict.fromkeys([p.dtype for p in params] + [b.dtype for b in buffers]))
             self._flats = [Flat([p for p in params if p.dtype == d], [b for b in buffers if b.dtype == d],
                                  len(params) if i == 0 else 0) for i, d in enumerate(dtypes)]
-            self._had = torch.zeros(len(params))
+            self._had = [False] * len(params)
+            views = {id(p): v for f in self._flats for p, v in zip(f.params, f.views)}
             for h in self._hooks:
                 h.remove()
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i)) for i, p in enumerate(params)]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i, views[id(p)]))
+                           for i, p in enumerate(params)]
         return self._flats
 
-    def _on_grad(self, i: int) -> Callable[[torch.Tensor], None]:
-        def on_grad(_: torch.Tensor) -> None:
+    def _on_grad(self, i: int, view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def on_grad(p: torch.Tensor) -> None:
             if self._phase_of_step is _Phase.OPEN:
                 self._phase_of_step = _Phase.COMMITTING
                 torch.autograd.Variable._execution_engine.queue_callback(self._commit_point)
@@ -326,35 +325,56 @@ class TransactionalLoop:
                     f"fault-tolerant MultiWorkerMirrored: a second backward() in step {self.steps}: the end of "
                     "the first was the step's commit point and its gradients are applied; call backward() once "
                     "per step_fn (accumulate micro-batches' losses into one loss)")
-            self._had[i] = 1.0
+            g = p.grad
+            if g is not None and g.data_ptr() != view.data_ptr():  # (a second accumulation adds into the view)
+                _into(view, g)
+                p.grad = view
+            self._had[i] = True
         return on_grad
 
     def _commit_point(self) -> None:
-        """The end of ``backward()``: the agreement check, the step's all-reduce and its one decision."""
+        """The end of ``backward()``: the step's all-reduce and agreement check, and its one decision.
+
+        The gradients' all-reduce starts first; the agreement check hashes while they travel and its MAX
+        all-reduce follows them on the group; every all-reduce started is finished (completed or failed)
+        before the decision, so none of the step's collectives is in flight after it."""
         gen = self.generation
         assert gen is not None and self.group is not None
         flats = self._flats
         with torch.no_grad():
             for f in flats:
                 for p, v in zip(f.params, f.views):
-                    if p.grad is not None and p.grad.data_ptr() != v.data_ptr():
-                        v.copy_(p.grad)  # zero_grad() before backward, or another layout: not our view
+                    if p.grad is None:
+                        v.zero_()  # no gradient here: zeros in the sum (the flags tell whether any member had one)
+                    elif p.grad.data_ptr() != v.data_ptr():
+                        _into(v, p.grad)  # a gradient step_fn assigned, not backward's
                 for b, v in zip(f.buffers, f.views[len(f.params):]):
                     v.copy_(b).mul_(self._share)
-            flats[0].extra.copy_(self._had)
+            flats[0].extra.copy_(torch.tensor(self._had, dtype=flats[0].extra.dtype))
         self._phase("all_reduce")
-        ok = True
+        failed: BaseException | None = None
+        diverged: ReplicaDivergenceError | None = None
+        pending: list[Pending] = []
         try:
+            for f in flats:
+                pending.append(start_all_reduce(self.group, ReduceOp.SUM, [f.flat]))
             if self._agreement is not None:
                 self._agreement.check_step(self.optimizer)
-            for f in flats:
-                self.group.allreduce([f.flat]).wait()
-        except ReplicaDivergenceError:
-            raise  # the same on every member: the step is discarded and the error goes to the caller
+        except ReplicaDivergenceError as exc:
+            diverged = exc  # the same on every member: the step is discarded and the error goes to the caller
         except (CollectiveFailed, RuntimeError) as exc:
-            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, exc)
-            ok = False
-        if ok:
+            failed = exc
+        for work in pending:
+            try:
+                work.wait()
+            except CollectiveFailed as exc:
+                failed = failed or exc
+        if diverged is not None:
+            raise diverged
+        ok = failed is None
+        if not ok:
+            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, failed)
+        else:
             self._phase("commit")
         committed, self._joiners = self._membership.commit(gen, self.steps, ok)
         self._decided = True
@@ -425,3 +445,11 @@ class TransactionalLoop:
             h.remove()
         self._hooks, self._optimizer_hooks = [], []
         self._leave_group()
+
+
+def _into(view: torch.Tensor, grad: torch.Tensor) -> None:
+    """``grad`` written into its parameter's view of the step's flat buffer (a sparse one densified)."""
+    if grad.layout is torch.strided:
+        view.copy_(grad)
+    else:
+        view.zero_().add_(grad)
