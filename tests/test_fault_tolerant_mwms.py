@@ -71,13 +71,13 @@ def _resume_stopped(stopped: dict[int, float]):
 
 def _run(tmp_path, faults: list[dict], *, nproc: int = 3, max_restarts: int = 2, min_workers: int = 1,
          wait_full: int | None = None, clip: float = 0.0, batchnorm: bool = False, diverge: int = -1,
-         reduce: bool = False) -> tuple[list[Worker], list[dict]]:
+         reduce: bool = False, implementation: str = "GLOO") -> tuple[list[Worker], list[dict]]:
     shm_before = _shm()
     env = dict(os.environ, FT_OUT=str(tmp_path), FT_STEPS=str(STEPS), FT_TIMEOUT=str(TIMEOUT),
                FT_FAULTS=json.dumps(faults), FT_MIN_WORKERS=str(min_workers),
                FT_WAIT_FULL=str(nproc if wait_full is None else wait_full), FT_CLIP=str(clip),
                FT_BATCHNORM=str(int(batchnorm)), FT_DIVERGE=str(diverge),
-               FT_REDUCE=str(int(reduce)),
+               FT_REDUCE=str(int(reduce)), FT_IMPLEMENTATION=implementation,
                TORCHSTRATEGIES_LOG_LEVEL="ERROR")
     stopped: dict[int, float] = {}
     workers = launch([sys.executable, _ft_worker.__file__], nproc, max_restarts, env=env, timeout=100,
@@ -146,6 +146,21 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
     # Killed before its all-reduce completed everywhere, the step is redone; killed at "apply" (the
     # decision was commit), it is not: either way no survivor applied a step twice (checked above).
     assert all(r["aborted"] <= 1 for r in survivors)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("implementation", ["GLOO", "AUTO"])
+def test_a_worker_killed_while_the_step_s_all_reduces_are_in_flight_costs_no_step(tmp_path, implementation):
+    # Slot 1 dies right after starting its gradient all-reduce (the agreement check's follows it on the
+    # group). Every survivor finishes (fails, or completes) each all-reduce it started before the decision,
+    # which is abort: nothing of the step is applied, the survivors redo it, and slot 1 rejoins. On our
+    # backend (AUTO: shared memory) the victim's segments go with it (_run checks /dev/shm).
+    fault = {"slot": 1, "restart": 0, "at_least_step": 4, "phase": "in_flight", "action": "kill"}
+    workers, results = _run(tmp_path, [fault], implementation=implementation)
+    assert len(next(w for w in workers if w.slot == 1).pids) == 2
+    _check_recovered(workers, results, {1})
+    survivors = [r for r in results if r["slot"] != 1]
+    assert len(survivors) == 2 and all(r["aborted"] >= 1 for r in survivors)
 
 
 @pytest.mark.timeout(150)

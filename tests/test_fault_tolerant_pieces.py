@@ -99,6 +99,58 @@ def test_the_commit_has_one_decision_even_when_a_late_member_counts_itself_after
         b.close()
 
 
+def _formed(members: list[Membership]) -> list:
+    """Generation 1 of ``members``, formed together (each member's view, in ``members``' order)."""
+    gens: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda m=m: gens.__setitem__(m.me, m.form(1, None, -1))) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for m in members:
+        m.begin(gens[m.me], 0)
+    return [gens[m.me] for m in members]
+
+
+def _commit_together(members: list[Membership], gens: list, step: int, oks: list[bool]) -> list[tuple[bool, int]]:
+    out: list = [None] * len(members)
+
+    def one(i: int) -> None:
+        out[i] = members[i].commit(gens[i], step, oks[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.timeout(60)  # a waiter that the abort did not wake would wait timeout_seconds=600 and fail here
+def test_the_commit_is_one_decision_an_abort_wakes_the_waiters_and_finished_steps_leave_no_key(store_address):
+    opts = ts.FaultTolerance(store=store_address, world_size=3, timeout_seconds=600.0, heartbeat_seconds=0.05,
+                             dead_after_seconds=0.5)
+    members = [Membership(opts) for _ in range(3)]
+    try:
+        gens = _formed(members)
+        members[0]._beat_store.add("g2/n", 1)  # a worker registered for the next generation: one joiner
+        # Each member's own view of the joiners may lag; the decision carries one count, read by all.
+        for step in range(3):
+            got = _commit_together(members, gens, step, [True, True, True])
+            assert all(g[0] for g in got) and len({g[1] for g in got}) == 1, got
+        store = members[0].store
+        while store.check(["g1/s0/d"]) or store.check([f"g1/s1/ok/{i}" for i in range(3)]):
+            threading.Event().wait(0.05)  # the heartbeat thread deletes the keys of the steps all finished
+        assert store.check(["g1/s2/d"])  # the last decision stays until the next step is committed
+        # Step 3: member 1's collective failed. The others wait for every member's "ok"; the abort sets them,
+        # so they read "abort" at once instead of after the timeout.
+        assert _commit_together(members, gens, 3, [True, False, True]) == [(False, 0)] * 3
+    finally:
+        for m in members:
+            m.end()
+            m.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_one_worker_job_trains_as_plain_torch_and_a_second_loop_is_refused(store_address):
     torch.manual_seed(0)

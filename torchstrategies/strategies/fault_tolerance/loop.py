@@ -97,7 +97,8 @@ class TransactionalLoop:
         generation: the current generation (None between generations).
         aborted, refused, healed_at: steps discarded here, times this worker was refused, and the ``steps``
             at which it received the live state (None: it never did).
-        phase_hook: called with the phase name ("forward", "all_reduce", "commit", "apply", "heal_send"
+        phase_hook: called with the phase name ("forward", "all_reduce", "in_flight" (the gradients'
+            all-reduce started, not finished), "commit", "apply", "heal_send"
             (the heal's source), "heal" (the others), "heal_header"); for fault-injection tests.
     """
 
@@ -358,6 +359,7 @@ class TransactionalLoop:
         try:
             for f in flats:
                 pending.append(start_all_reduce(self.group, ReduceOp.SUM, [f.flat]))
+            self._phase("in_flight")
             if self._agreement is not None:
                 self._agreement.check_step(self.optimizer)
         except ReplicaDivergenceError as exc:
