@@ -127,7 +127,7 @@ def _commit_together(members: list[Membership], gens: list, step: int, oks: list
 
 
 @pytest.mark.timeout(60)  # a waiter that the abort did not wake would wait timeout_seconds=600 and fail here
-def test_the_commit_is_one_decision_an_abort_wakes_the_waiters_and_finished_steps_leave_no_key(store_address):
+def test_the_commit_is_one_decision_an_abort_wakes_the_waiters_and_read_decisions_are_deleted(store_address):
     opts = ts.FaultTolerance(store=store_address, world_size=3, timeout_seconds=600.0, heartbeat_seconds=0.05,
                              dead_after_seconds=0.5)
     members = [Membership(opts) for _ in range(3)]
@@ -139,11 +139,11 @@ def test_the_commit_is_one_decision_an_abort_wakes_the_waiters_and_finished_step
             got = _commit_together(members, gens, step, [True, True, True])
             assert all(g[0] for g in got) and len({g[1] for g in got}) == 1, got
         store = members[0].store
-        while store.check(["g1/s0/d"]) or store.check([f"g1/s1/ok/{i}" for i in range(3)]):
-            threading.Event().wait(0.05)  # the heartbeat thread deletes the keys of the steps all finished
+        while store.check(["g1/s0/d"]) or store.check(["g1/s1/d"]):
+            threading.Event().wait(0.05)  # the heartbeat thread deletes the decisions every member has read
         assert store.check(["g1/s2/d"])  # the last decision stays until the next step is committed
-        # Step 3: member 1's collective failed. The others wait for every member's "ok"; the abort sets them,
-        # so they read "abort" at once instead of after the timeout.
+        # Step 3: member 1's collective failed: the others, waiting for the decision, read its "abort" at once
+        # instead of after the timeout.
         assert _commit_together(members, gens, 3, [True, False, True]) == [(False, 0)] * 3
     finally:
         for m in members:

@@ -9,15 +9,13 @@ Keys (under the job's prefix):
   registrant closes it when its own view allows (every member of ``G-1`` registered, or silent for
   ``dead_after_seconds``, or ``timeout_seconds`` passed), and the first write wins. A registrant missing
   from the winner is *refused* (its generation is old) and joins the next one without state.
-* ``g<G>/s<S>/ok/<i>``, ``g<G>/s<S>/d``: the commit of step ``S`` (see :meth:`Membership.commit`). Member
-  ``i`` sets its ``ok`` key once its collectives of the step completed and waits until every member's exists;
-  then it writes ``d = "commit <j>"`` (``j``: registrations waiting for ``G+1``) with ``compare_set``. A
-  member whose collective failed, or that waited ``timeout_seconds`` for the others' ``ok``, writes
-  ``d = "abort"`` with ``compare_set`` and then sets every member's ``ok`` key, so that the others stop
-  waiting and read the decision. ``compare_set`` returns the value that won, so exactly one decision exists
-  and every member (a frozen one that wakes up too) reads the same. Two store round trips per member and
-  step (the ``set`` is not answered); the heartbeat thread, off the step's path, counts the registrations
-  for ``G+1`` and deletes the keys of the steps every member has finished.
+* ``g<G>/ok``, ``g<G>/s<S>/d``: the commit of step ``S``: each member adds 1 to the generation's ``ok``
+  counter after its collectives completed; the member that brings it to ``size * k`` (``S`` is the
+  generation's ``k``-th step) writes ``d = "commit <j>"`` (``j``: registrations waiting for ``G+1``), a
+  member whose collective failed, or that waited ``timeout_seconds`` for ``d``, writes ``d = "abort"``; both
+  with ``compare_set``, so exactly one decision exists and every member (a frozen one that wakes up too)
+  reads the same. Two store round trips per member and step; the heartbeat thread, off the step's path,
+  counts the registrations for ``G+1`` and deletes the decisions every member has read.
 
 A worker's identity is ``<slot>.<pid>.<random>``: a restarted worker is a new member.
 """
@@ -212,46 +210,23 @@ class Membership:
     def commit(self, gen: Generation, step: int, ok: bool) -> tuple[bool, int]:
         """The one decision about step ``step`` in ``gen``: (committed, registrations waiting to join).
 
-        ``ok``: this member's collectives of the step completed.
-
-        Why it is one decision, and a commit only when every member's collectives completed: ``d`` is only
-        ever written by ``compare_set(d, "", ...)``, so its first value stays and every writer reads it back.
-        "commit" is written by a member that saw every member's ``ok`` key. A key is set by its member after
-        its collectives completed, or by a member that wrote (and read back) "abort" first; so when some ``ok``
-        keys were set by an aborter, ``d`` holds "abort" already and the "commit" is refused. A member whose
-        collective failed never sets its own key, so without an aborter no member sees every key and the
-        waiters write "abort" after ``timeout_seconds``.
-
-        Two round trips per member on the path: the wait (answered when the last member's ``ok`` lands) and
-        the ``compare_set``; a ``set`` has no answer. Before, the member that counted itself last in a shared
-        counter (one round trip) then wrote the decision (a second) that the others read (a third).
-        """
+        ``ok``: this member's collectives of the step completed."""
+        key = f"g{gen.number}/s{step}"
         watch = self._watch
         assert watch is not None and watch[0] == gen.number, "commit outside the generation"
-        key = f"g{gen.number}/s{step}"
-        oks = [f"{key}/ok/{i}" for i in range(gen.size)]
         if not ok:
-            text = self._abort(key, oks)
+            decision = self.store.compare_set(f"{key}/d", "", "abort")
+        elif int(self.store.add(f"g{gen.number}/ok", 1)) == gen.size * (step - watch[1] + 1):
+            waiting = self._joiners[1] if self._joiners[0] == gen.number else 0
+            decision = self.store.compare_set(f"{key}/d", "", f"commit {waiting}")
+            if step > watch[1]:  # every member counted itself for this step: each read the previous decision
+                self._garbage.append(f"g{gen.number}/s{step - 1}/d")
         else:
-            self.store.set(oks[gen.index], "")
             try:
-                self.store.wait(oks, datetime.timedelta(seconds=self.options.timeout_seconds))
-            except RuntimeError:  # a member did not finish the step within the timeout (dead or frozen)
-                text = self._abort(key, oks)
-            else:
-                waiting = self._joiners[1] if self._joiners[0] == gen.number else 0
-                text = bytes(self.store.compare_set(f"{key}/d", "", f"commit {waiting}")).decode()
+                decision = self.store.get(f"{key}/d")  # waits up to timeout_seconds
+            except RuntimeError:
+                decision = self.store.compare_set(f"{key}/d", "", "abort")
+        text = bytes(decision).decode()
         if text.startswith("commit"):
-            if gen.index == 0 and step > watch[1]:  # every member finished step - 1: its keys are garbage
-                self._garbage.extend([f"g{gen.number}/s{step - 1}/d"] +
-                                     [f"g{gen.number}/s{step - 1}/ok/{i}" for i in range(gen.size)])
             return True, int(text.split()[1])
         return False, 0
-
-    def _abort(self, key: str, oks: list[str]) -> str:
-        """Writes "abort" unless a decision exists, and returns the decision."""
-        text = bytes(self.store.compare_set(f"{key}/d", "", "abort")).decode()
-        if text == "abort":
-            for k in oks:  # the members waiting for every ok: they now read "abort"
-                self.store.set(k, "")
-        return text
