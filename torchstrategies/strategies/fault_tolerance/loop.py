@@ -128,6 +128,7 @@ class TransactionalLoop:
         self._share = 0.0            # this member's rows / the global batch's
         self._stepped = False        # the optimizer stepped in this step
         self._agreement: WorkerAgreement | None = None
+        self._check_failed: CollectiveFailed | None = None  # the check's all-reduce could not start
         self._optimizer_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                                  optimizer.register_step_post_hook(self._after_optimizer_step)]
 
@@ -164,7 +165,8 @@ class TransactionalLoop:
                 continue
             self.generation = gen
             self._agreement = None if gen.size == 1 else WorkerAgreement(
-                self._group_all_reduce, None, gen.index, gen.size, self._device, [weakref.ref(self.model)])
+                self._group_all_reduce, self._group_all_reduce_async, gen.index, gen.size, self._device,
+                [weakref.ref(self.model)])
             self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
@@ -210,6 +212,11 @@ class TransactionalLoop:
         assert self.group is not None
         all_reduce(self.group, op, tensors)
         return tensors
+
+    def _group_all_reduce_async(self, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
+        """The same, started now (the check's all-reduce travels during the rest of backward)."""
+        assert self.group is not None
+        return start_all_reduce(self.group, op, tensors)
 
     def _leave_group(self) -> None:
         self._membership.end()
@@ -321,6 +328,7 @@ class TransactionalLoop:
             if self._phase_of_step is _Phase.OPEN:
                 self._phase_of_step = _Phase.COMMITTING
                 torch.autograd.Variable._execution_engine.queue_callback(self._commit_point)
+                self._start_check()
             elif self._phase_of_step is _Phase.COMMITTED:
                 raise RuntimeError(
                     f"fault-tolerant MultiWorkerMirrored: a second backward() in step {self.steps}: the end of "
@@ -333,12 +341,21 @@ class TransactionalLoop:
             self._had[i] = True
         return on_grad
 
-    def _commit_point(self) -> None:
-        """The end of ``backward()``: the step's all-reduce and agreement check, and its one decision.
+    def _start_check(self) -> None:
+        """The first gradient of the step's backward: the agreement check hashes what the ranks hold (the
+        parameters, which backward does not write) and starts its MAX all-reduce, which travels while
+        backward goes on; the commit point finishes it, before the decision (it stays part of the step)."""
+        self._check_failed = None
+        if self._agreement is not None:
+            try:
+                self._agreement.before_step(self.optimizer, self._agreement.held(self.optimizer))
+            except CollectiveFailed as exc:  # not raised here: the commit point aborts the step
+                self._check_failed = exc
 
-        The gradients' all-reduce starts first; the agreement check hashes while they travel and its MAX
-        all-reduce follows them on the group; every all-reduce started is finished (completed or failed)
-        before the decision, so none of the step's collectives is in flight after it."""
+    def _commit_point(self) -> None:
+        """The end of ``backward()``: the gradients' all-reduce, the end of the agreement check that the first
+        gradient started, and the step's one decision. Every all-reduce of the step is finished (completed or
+        failed) before the decision, so none is in flight after it."""
         gen = self.generation
         assert gen is not None and self.group is not None
         flats = self._flats
@@ -360,8 +377,10 @@ class TransactionalLoop:
             for f in flats:
                 pending.append(start_all_reduce(self.group, ReduceOp.SUM, [f.flat]))
             self._phase("in_flight")
+            if self._check_failed is not None:
+                raise self._check_failed
             if self._agreement is not None:
-                self._agreement.check_step(self.optimizer)
+                self._agreement.step.finish()  # waits for the check's all-reduce; raises on a divergence
         except ReplicaDivergenceError as exc:
             diverged = exc  # the same on every member: the step is discarded and the error goes to the caller
         except (CollectiveFailed, RuntimeError) as exc:
