@@ -97,8 +97,8 @@ class TransactionalLoop:
         generation: the current generation (None between generations).
         aborted, refused, healed_at: steps discarded here, times this worker was refused, and the ``steps``
             at which it received the live state (None: it never did).
-        phase_hook: called with the phase name ("forward", "all_reduce", "in_flight" (the gradients'
-            all-reduce started, not finished), "commit", "apply", "heal_send"
+        phase_hook: called with the phase name ("forward", "in_flight" (at the first gradient: the agreement
+            check's all-reduce started, backward going on), "all_reduce", "commit", "apply", "heal_send"
             (the heal's source), "heal" (the others), "heal_header"); for fault-injection tests.
     """
 
@@ -351,11 +351,13 @@ class TransactionalLoop:
                 self._agreement.before_step(self.optimizer, self._agreement.held(self.optimizer))
             except CollectiveFailed as exc:  # not raised here: the commit point aborts the step
                 self._check_failed = exc
+        self._phase("in_flight")
 
     def _commit_point(self) -> None:
         """The end of ``backward()``: the gradients' all-reduce, the end of the agreement check that the first
         gradient started, and the step's one decision. Every all-reduce of the step is finished (completed or
-        failed) before the decision, so none is in flight after it."""
+        failed) before the decision, so none is in flight after it; the gradients' is waited for at once (our
+        backend then runs it on this thread: no hand-off to its worker)."""
         gen = self.generation
         assert gen is not None and self.group is not None
         flats = self._flats
@@ -370,26 +372,21 @@ class TransactionalLoop:
                     v.copy_(b).mul_(self._share)
             flats[0].extra.copy_(torch.tensor(self._had, dtype=flats[0].extra.dtype))
         self._phase("all_reduce")
-        failed: BaseException | None = None
+        failed: BaseException | None = self._check_failed
         diverged: ReplicaDivergenceError | None = None
-        pending: list[Pending] = []
         try:
-            for f in flats:
-                pending.append(start_all_reduce(self.group, ReduceOp.SUM, [f.flat]))
-            self._phase("in_flight")
-            if self._check_failed is not None:
-                raise self._check_failed
+            if failed is None:
+                for f in flats:  # on the group after the check's all-reduce (our backend: FIFO)
+                    all_reduce(self.group, ReduceOp.SUM, [f.flat])
+        except CollectiveFailed as exc:
+            failed = exc
+        try:
             if self._agreement is not None:
-                self._agreement.step.finish()  # waits for the check's all-reduce; raises on a divergence
+                self._agreement.step.finish()  # the check's all-reduce (done, or failed with the member)
         except ReplicaDivergenceError as exc:
             diverged = exc  # the same on every member: the step is discarded and the error goes to the caller
         except (CollectiveFailed, RuntimeError) as exc:
-            failed = exc
-        for work in pending:
-            try:
-                work.wait()
-            except CollectiveFailed as exc:
-                failed = failed or exc
+            failed = failed or exc
         if diverged is not None:
             raise diverged
         ok = failed is None
