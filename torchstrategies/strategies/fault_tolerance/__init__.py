@@ -6,6 +6,8 @@
 * ``global_batches.py``: ``GlobalBatches``, the fixed sequence of global batches split among the members.
 * ``loop.py``: ``TransactionalLoop``, the user's ``step_fn`` as a transaction (commit point: the end of backward).
 * ``random_states.py``: torch's, CUDA's, Python's and numpy's random states, given back on abort and healed.
+* ``snapshot.py``: ``StepSnapshot``, the buffers and random states a discarded attempt gives back.
+* ``group.py``: each generation's group, the step's flat buffers, and its all-reduces (``CollectiveFailed``).
 * ``strategy.py``: ``FaultTolerantMultiWorkerMirroredStrategy``.
 * ``launch.py``: the launcher that hosts the store and restarts each worker alone.
 """

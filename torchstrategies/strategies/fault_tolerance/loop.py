@@ -7,14 +7,18 @@ One :meth:`TransactionalLoop.step` (``step_fn(batch)``: forward, ``loss.backward
 1. If this worker has no group (start, after a fault, or when workers wait to join), it forms the next
    generation (``membership.py``), makes the generation's group and, if a member lacks the live state,
    copies it from a member that has it (``state_transfer.py``).
-2. It snapshots what ``step_fn`` may change before its commit point (the model's buffers, the random states
-   of ``random_states.py``) and calls ``step_fn`` on its part of global batch ``steps``
-   (``global_batches.py``), with every trainable parameter's ``.grad`` a view into one flat buffer per dtype.
+2. It snapshots what ``step_fn`` may change before its commit point (the model's buffers and the random
+   states, ``snapshot.py``) and calls ``step_fn`` on its part of global batch ``steps`` (``global_batches.py``)
+   with no ``.grad``; each gradient backward makes is copied by its parameter's hook into one flat buffer per
+   dtype (``.grad`` becomes a view into it), as MultiWorkerMirrored's synchronizer does. The first gradient
+   also starts the per-step agreement check (the MultiWorkerMirrored one, ``strategies/_agreement.py``, over
+   the generation's group): it hashes what the ranks hold, which backward does not write, and its small
+   all-reduce travels during the rest of backward.
 3. **The commit point is the end of ``loss.backward()``** (a callback the first gradient hook queues in the
-   autograd engine, as DDP's reducer does): there the per-step agreement check runs (the MultiWorkerMirrored
-   one, ``strategies/_agreement.py``, over the generation's group), then the gradients, one "had a gradient"
-   flag per parameter and the MEAN buffers weighted by this member's share of the rows are summed over the
-   group in ONE all-reduce per dtype, and the step's one decision is taken (``Membership.commit``).
+   autograd engine, as DDP's reducer does): there the gradients, one "had a gradient" flag per parameter and
+   the MEAN buffers weighted by this member's share of the rows are summed over the group in ONE all-reduce
+   per dtype, the check's all-reduce is waited for (every collective of the step finishes before the
+   decision), and the step's one decision is taken (``Membership.commit``).
    Committed: ``.grad`` holds the global gradient and the buffers their global value when ``backward()``
    returns; what ``step_fn`` does next (clipping, the optimizer, the scheduler, a GradScaler) runs as under
    MultiWorkerMirrored and the step counts once. Discarded (a collective failed on some member, or before
