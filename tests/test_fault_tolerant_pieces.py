@@ -14,6 +14,7 @@ import torchstrategies as ts
 from torchstrategies.errors import MembershipBelowMinimumError
 from torchstrategies.strategies._mw_input import WorkerBatchSampler
 from torchstrategies.strategies.fault_tolerance.membership import Membership
+from torchstrategies.strategies.fault_tolerance.snapshot import StepSnapshot
 from torchstrategies.strategies.fault_tolerance.state_transfer import decode, encode
 
 
@@ -338,3 +339,26 @@ def test_the_random_states_round_trip_through_the_typed_header():
     with pytest.raises(ValueError, match="python.mt"):
         random_states.restore({"torch": torch.get_rng_state(), "python": {"version": 3, "mt": [1], "gauss": None}},
                               torch.device("cpu"))
+
+
+def test_the_step_snapshot_restores_buffers_and_random_states_into_tensors_kept_between_steps():
+    bn = torch.nn.BatchNorm1d(3)
+    snapshot = StepSnapshot(bn, torch.device("cpu"))
+    snapshot.take()
+    kept = [c.data_ptr() for c in snapshot._copies]
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    for _ in range(2):  # two discarded attempts of one step: each gives back its buffers and its draws
+        draw = torch.rand(3)
+        bn(torch.randn(8, 3))
+        snapshot.restore()
+        assert all(torch.equal(v, before[k]) for k, v in bn.state_dict().items())
+        assert torch.equal(torch.rand(3), draw)
+        snapshot.restore()
+    bn(torch.randn(8, 3))  # committed: the next step's snapshot copies into the same tensors
+    snapshot.take()
+    assert [c.data_ptr() for c in snapshot._copies] == kept
+    bn.running_mean = torch.zeros(3, dtype=torch.float64)  # a buffer replaced: copies made anew
+    snapshot.take()
+    bn.running_mean.add_(1.0)
+    snapshot.restore()
+    assert bn.running_mean.dtype == torch.float64 and torch.equal(bn.running_mean, torch.zeros(3, dtype=torch.float64))
