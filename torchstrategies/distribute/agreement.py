@@ -177,10 +177,14 @@ class RankAgreement:
         (most,) = self._all_reduce(ReduceOp.MAX, [self._payload(values)])
         return self._split(most)
 
-    def max_min_payload(self, payload: torch.Tensor) -> tuple[list[int], list[int]]:
+    def max_min_payload(self, payload: torch.Tensor) -> tuple[list[int], list[int]] | None:
         """:meth:`max_min` of ``payload``, an int64 tensor already laid out as ``[v, -v]``
-        (``ops.agreement_hash_``'s): ONE MAX all-reduce, at once."""
+        (``ops.agreement_hash_``'s): ONE MAX all-reduce, at once; None when every rank holds the same payload
+        (max == min everywhere: one tensor op, no Python per element)."""
         (most,) = self._all_reduce(ReduceOp.MAX, [payload.to(self.device)])
+        half = most.numel() // 2
+        if not bool(most[:half].add(most[half:]).any()):   # max - min, in [0, 2**63): no overflow
+            return None
         return self._split(most)
 
     def differing(self, tensors: Sequence[torch.Tensor]) -> list[int]:

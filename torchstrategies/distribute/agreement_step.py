@@ -137,7 +137,10 @@ class StepAgreement:
             return
         lists = p.lists
         ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, p.piece, self.slices)
-        hi, lo = self.ranks.max_min_payload(lists.payload)
+        differ = self.ranks.max_min_payload(lists.payload)
+        if differ is None:
+            return
+        hi, lo = differ
         n = len(lists.tensors)
         redo = [i for i in range(n) if hi[i] != lo[i]]   # moved on some ranks only: compare them whole, now
         bad = [i for i in range(n) if hi[i] == lo[i] and hi[n + i] != lo[n + i]]
