@@ -146,6 +146,9 @@ class WorkerAgreement:
     def before_step(self, optimizer: torch.optim.Optimizer, held: Held | None) -> None:
         """The step pre-hook: starts the check of this step (``held``: what the step concerns, None when no
         parameter of ``optimizer`` is the strategy's: its parameters are then compared whole)."""
+        if not self.step.slices:   # the check is off (TORCHSTRATEGIES_AGREEMENT=0): nothing to keep either
+            self._stepping = None
+            return
         if held is None:
             self._stepping = None
             tracked: list[torch.Tensor] = []
