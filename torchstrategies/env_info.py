@@ -37,7 +37,7 @@ ENV_VARS = (
 )
 ENV_PREFIXES = ("TORCHSTRATEGIES_", "NCCL_", "TORCHELASTIC_")
 
-_DISPATCH_KEYS = ("CPU", "CUDA", "Meta", "Autograd", "CompositeImplicitAutograd")
+_DISPATCH_KEYS = ("CPU", "CUDA", "Meta", "Autograd")
 
 
 def host_id() -> str:

@@ -308,7 +308,8 @@ torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
 torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
 torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
-# (agreement_hash_ and agreement_record_ are CompositeImplicitAutograd: they decompose into hash_tensors)
+torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, slices: None)
+torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, written, state: None)
 
 
 def _setup_ctx(ctx, inputs, output):

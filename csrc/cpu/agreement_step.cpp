@@ -3,10 +3,10 @@
 // rotating slice holds, their fingerprints (the hash of csrc/core/hash.h mixed with the tensor's dtype, shape
 // and the hashed range), written into the int64 payload of the check's one MAX all-reduce.
 //
-// Device-agnostic glue (registered for CompositeImplicitAutograd): the bookkeeping is host work on the
-// tensors' metadata; the bytes are hashed by hash_tensors through the dispatcher, so CPU and CUDA tensors
-// take the kernel of their device. `state` and `payload` are int64 CPU tensors the caller keeps per tensor
-// list.
+// Device-agnostic glue: the bookkeeping is host work on the tensors' metadata; the bytes are hashed by
+// hash_tensors through the dispatcher, so CPU and CUDA tensors take the kernel of their device. Registered
+// here for the CPU key and by csrc/cuda/hash_binding.cpp for the CUDA key (an opaque op: torch.compile sees
+// its fake, ops.py). `state` and `payload` are int64 CPU tensors the caller keeps per tensor list.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/hash.h"
+#include "cpu/agreement_step.h"
 
 namespace torchstrategies {
 namespace {
@@ -97,6 +98,8 @@ void check_call(at::TensorList tensors, const at::Tensor& state, const at::Tenso
   }
 }
 
+}  // namespace
+
 // piece < 0, the moved phase (before the optimizer's update): flags[i] = whether tracked tensor i (i <
 // forced_from) moved (version or storage) since recorded, recorded now; the moved and the forced (i >=
 // forced_from) tensors hashed whole into slots[i]; every other slot 0. piece >= 0, the piece phase: slots of
@@ -171,9 +174,7 @@ void agreement_record_(at::TensorList tensors, at::TensorList written, const at:
   }
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchstrategies, CompositeImplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {
   m.impl("agreement_hash_", &agreement_hash_);
   m.impl("agreement_record_", &agreement_record_);
 }
