@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-stamp
 INSTALL_STAMP := $(VENV)/.install-stamp
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=15
 # torch's extension builder runs whichever `ninja` is first on PATH: make it the one installed here.
 WITH_VENV_PATH := PATH="$(abspath $(VENV))/bin:$$PATH"
 

@@ -281,6 +281,50 @@ def test_debug_mode_checks_everything_at_every_step():
         assert step == CORRUPT_AT, step
 
 
+class _Reset(torch.optim.Optimizer):
+    """An update that writes every parameter from nothing the ranks hold apart: zeros."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.zero_()
+
+
+def _mwms_slice_after_the_update(rank: int, world: int) -> dict[str, object]:
+    import torchstrategies as ts
+
+    strategy = ts.MultiWorkerMirroredStrategy()
+    try:
+        with strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 3).double()
+            opt = _Reset(model.parameters())
+        for step in range(1, 4):
+            if step == CORRUPT_AT and rank == world - 1:
+                model.weight.data[0, 0] += 1.0   # uncounted: the rotating slice's, here (debug) all of it
+            model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+            try:
+                opt.step()
+            except ts.errors.ReplicaDivergenceError as e:
+                return {"step": step, "message": str(e)}
+        return {"step": None, "weight": model.weight.tolist()}
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_rotating_slice_compares_what_the_ranks_hold_after_the_update():
+    """The slice is hashed in the step post-hook, after the update (its bytes still in cache): a difference the
+    update overwrites on every rank alike is gone, not named (before the change: named at that step)."""
+    outs = run_ranks(_mwms_slice_after_the_update, 2, env={"TORCHSTRATEGIES_DEBUG": "1"}, timeout=100)
+    assert [o["step"] for o in outs] == [None, None], outs
+    assert outs[0]["weight"] == outs[1]["weight"], outs
+
+
 # --- in-process (Mirrored, CentralStorage): issue case 6 ----------------------------------------------------
 IN_PROCESS = {
     "mirrored2": lambda: ts.MirroredStrategy(num_replicas=2),
@@ -332,29 +376,76 @@ def test_an_uncounted_write_in_one_replica_is_named_within_the_slices(strategy_n
     assert err.tensor == "Sequential.0.weight" and err.replicas == [1], (err.tensor, err.replicas)
 
 
-def test_a_tensor_counts_as_moved_until_recorded_and_a_new_tensor_at_a_dead_ones_address_is_never_seen():
-    from torchstrategies.distribute.agreement_step import _Seen
+def _moved_flags(lists) -> list[int]:
+    from torchstrategies import ops
 
-    seen = _Seen()
-    t = torch.zeros(3)
-    assert seen.moved(t)
-    seen.record([t])
-    assert not seen.moved(t)
-    t.add_(1)                   # a counted write
-    assert seen.moved(t)
-    seen.record([t])
-    t.data = torch.ones(3)      # new storage, no version move
-    assert seen.moved(t)
-    seen.record([t])
-    addresses = set()
-    for _ in range(200):        # tensors die and new ones take their ids: none is taken for a seen one
-        u = torch.zeros(3)
-        addresses.add(id(u))
-        assert seen.moved(u)
-        seen.record([u])
-        del u
-    assert len(addresses) < 200   # (ids were reused: the case is exercised)
-    assert not seen.moved(t) and len(seen._table) <= 2 * 64   # dead entries are swept
+    ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, -1, 1)
+    return lists.payload[:len(lists.tensors)].tolist()
+
+
+def test_a_tensor_counts_as_moved_until_recorded_and_a_new_list_counts_as_moved_whole():
+    from torchstrategies import ops
+    from torchstrategies.distribute.agreement_step import StepTensors
+
+    t, u = torch.zeros(3), torch.zeros(2, 2)
+    lists = StepTensors()
+    lists.use([t, u], [])
+    assert _moved_flags(lists) == [1, 1]     # a new list: every tensor compared whole
+    assert _moved_flags(lists) == [0, 0]     # recorded when seen moved
+    t.add_(1)                                # a counted write
+    assert _moved_flags(lists) == [1, 0]
+    ops.agreement_record_(lists.tensors, [u], lists.state)
+    t.data = torch.ones(3)                   # new storage, no version move
+    assert _moved_flags(lists) == [1, 0]
+    with torch.no_grad():
+        u.add_(1)                            # the optimizer's own write, recorded after its step: no news
+    ops.agreement_record_(lists.tensors, [u], lists.state)
+    assert _moved_flags(lists) == [0, 0]
+    state = lists.state
+    lists.use([t, u], [])                    # the same list of the same tensors: kept
+    assert lists.state is state
+    lists.use([t, torch.zeros(2, 2)], [])    # another tensor at a position: a new list, all moved
+    assert lists.state is not state and _moved_flags(lists) == [1, 1]
+    lists.use([t], [lists.tensors[1]])       # the same tensors, one now forced: a new list
+    assert lists.forced_from == 1 and _moved_flags(lists) == [1, 0]
+
+
+def test_the_step_payload_is_flags_and_fingerprints_and_their_negations_and_its_piece_names_one_changed_bit():
+    from torchstrategies import ops
+    from torchstrategies.distribute.agreement_step import StepTensors
+
+    def payload(tensors, piece):   # a second step (nothing moved): the forced tensor whole, then the piece
+        lists = StepTensors()
+        lists.use(tensors[:-1], tensors[-1:])
+        for _ in range(2):
+            ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, -1, 3)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, 3)
+        return lists.payload.tolist()
+
+    # the tracked bytes: 48 + 40, cut into pieces [0, 29), [29, 58), [58, 88)
+    base = [torch.arange(12.).reshape(3, 4), torch.arange(5, dtype=torch.float64), torch.ones(2)]
+    n = len(base)
+    for piece in range(3):
+        p = payload(base, piece)
+        assert p[2 * n:] == [-v for v in p[:2 * n]] and all(0 <= v < 2 ** 63 for v in p[:2 * n])
+        assert p[:n] == [0, 0, 0] and p[2 * n - 1] != 0                 # nothing moved; the forced one hashed
+        assert payload([t.clone() for t in base], piece) == p           # the same bytes: the same payload
+    assert [bool(v) for v in payload(base, 1)[n:2 * n - 1]] == [True, True]   # piece 1 spans both tensors
+    swapped = [base[0][[1, 0, 2]], base[1], base[2]]                  # rows 0 and 1 swapped: bytes [0, 32)
+    assert [payload(swapped, k) != payload(base, k) for k in range(3)] == [True, True, False]
+    flipped = [base[0], base[1].clone(), base[2]]
+    flipped[1].view(torch.int64)[4] ^= 1                              # one bit of byte 80
+    assert [payload(flipped, k) != payload(base, k) for k in range(3)] == [False, False, True]
+
+
+def test_the_step_ops_pass_opcheck():
+    state = torch.zeros(2, 3, dtype=torch.int64)
+    state[:, 0] = -1
+    tensors = [torch.randn(5, 3), torch.arange(7.)]
+    for piece in (-1, 0, 1):
+        torch.library.opcheck(torch.ops.torchstrategies.agreement_hash_.default,
+                              (tensors, state.clone(), torch.zeros(8, dtype=torch.int64), 1, piece, 2))
+    torch.library.opcheck(torch.ops.torchstrategies.agreement_record_.default, (tensors, tensors[:1], state.clone()))
 
 
 def test_the_rotating_slices_cover_every_byte_once():

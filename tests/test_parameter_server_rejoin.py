@@ -123,8 +123,9 @@ def test_the_only_worker_killed_at_any_moment_rejoins_and_every_step_is_applied_
                                   init_process_group=False, timeout=270,
                                   env={"TORCHSTRATEGIES_PS_SECRET": SECRET})
     assert chief["weight"] == -chief["steps"], chief       # each step applied once, none lost
-    # "after": the reply may be lost with the process, and then the closure ran again ("spared").
-    assert chief["seen"][0] == "spared" and chief["seen"][2:] == ["armed", "spared"], chief
-    assert chief["seen"][1] in ("armed", "spared"), chief
+    # "after" and "idle": the process dies as the reply leaves, so the reply may be lost with it (a loaded
+    # machine runs the killing timer first), and then the closure ran again ("spared").
+    assert chief["seen"][0] == "spared" and chief["seen"][3] == "spared", chief
+    assert chief["seen"][1] in ("armed", "spared") and chief["seen"][2] in ("armed", "spared"), chief
     assert ps == "ps"
     assert worker == [-signal.SIGKILL] * 4 + [0]             # four kills, then a clean exit on shutdown

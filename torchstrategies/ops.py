@@ -21,7 +21,7 @@ import torch
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
 __all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "hash_tensors",
-           "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
+           "agreement_hash_", "agreement_record_", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 T = TypeVar("T")
@@ -255,6 +255,22 @@ def hash_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return _ops.hash_tensors([t.detach() for t in items])
 
 
+def agreement_hash_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor, forced_from: int,
+                    piece: int, slices: int) -> None:
+    """One phase of the per-step agreement check (``distribute/agreement_step.py``) into ``payload`` (int64, 4n:
+    flags, fingerprints and their negations): ``piece < 0``, the tensors that moved since ``state`` recorded
+    them (recorded now) and those from ``forced_from`` on, whole; else piece ``piece`` of ``slices`` of the
+    others' bytes. ``state``: int64 (n, 3) on the CPU, zeros for a new list. Called every step: no checks here
+    beyond the kernel's."""
+    _ops.agreement_hash_(tensors, state, payload, forced_from, piece, slices)
+
+
+def agreement_record_(tensors: Sequence[torch.Tensor], written: Sequence[torch.Tensor], state: torch.Tensor) -> None:
+    """Records in ``state`` the positions of ``tensors`` that hold one of ``written`` as they are now (an
+    optimizer's own writes, after its step)."""
+    _ops.agreement_record_(tensors, written, state)
+
+
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
 
 
@@ -292,6 +308,8 @@ torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
 torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
 torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
+torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, slices: None)
+torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, written, state: None)
 
 
 def _setup_ctx(ctx, inputs, output):

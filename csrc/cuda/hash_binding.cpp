@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "core/hash.h"
+#include "cpu/agreement_step.h"
 #include "cuda/hash_cuda.h"
 
 namespace torchstrategies {
@@ -44,6 +45,11 @@ at::Tensor hash_tensors_cuda(at::TensorList tensors) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchstrategies, CUDA, m) { m.impl("hash_tensors", &hash_tensors_cuda); }
+TORCH_LIBRARY_IMPL(torchstrategies, CUDA, m) {
+  m.impl("hash_tensors", &hash_tensors_cuda);
+  // The agreement check's glue (csrc/cpu/agreement_step.cpp): CUDA tensors' bytes go to the kernel above.
+  m.impl("agreement_hash_", &agreement_hash_);
+  m.impl("agreement_record_", &agreement_record_);
+}
 
 }  // namespace torchstrategies

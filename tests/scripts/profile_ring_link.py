@@ -1,15 +1,21 @@
 """Where a rank's CPU goes in an all-reduce across a rate-limited link: CPU seconds per GB and syscalls per call,
-RING against gloo, in network namespaces (bench/netns.py; as root). Load-independent evidence: the CPU time a
-rank's process spends (user + system, all threads, getrusage) per byte it sends does not depend on how long
-it waited for the link or for a core; ``--strace`` adds ``strace -f -c`` of rank 0 (syscall counts and
-kinds per call; strace slows the rank, so its wall time is not the bench's).
+RING against gloo, in network namespaces (bench/netns.py; as root). Evidence that wall time under load does
+not give: the CPU time a rank's process spends (user + system, all threads, getrusage) per byte it sends does
+not count how long it waited for the link or for a core (but see the CPU limit below); ``--strace`` adds
+``strace -f -c`` of rank 0 (syscall counts and kinds per call; strace slows the rank, so its wall time is not
+the bench's).
 
 Run (as root):
     python tests/scripts/profile_ring_link.py --hosts 2 --link 10gbit --size 16MiB --calls 20 [--strace]
     TORCHSTRATEGIES_RING_SOCKET_BYTES=4194304 python tests/scripts/profile_ring_link.py ...   # a knob's A/B
 
 Prints one line per implementation: wall s/call, busbw Gbit/s and fraction of the line rate, CPU s per GB
-sent (each rank sends 2(n-1)/n * size per call), user/system split; with --strace rank 0's syscall table.
+sent (each rank sends 2(n-1)/n * size per call), user/system split, and the CPU limit: the cores a rank kept
+busy (its CPU time over the wall time) and the cores it would need to send at the line rate (its CPU per
+byte times the link's rate; ``nproc`` divided by the ranks on the machine is what each can have). The CPU a
+rank is charged for includes the softirq work (the veth, bridge and tbf path, the peer's TCP) that ran while
+it was on a CPU; under load part of that lands on other processes, so a loaded machine shows less CPU per GB
+than a quiet one. With --strace rank 0's syscall table.
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ def main() -> None:
                   f"{system * 1e3:.1f} ms per call); context switches per call and rank: voluntary "
                   f"{sum(x['vcsw'] for x in ranks) / n / a.calls:.0f}, involuntary "
                   f"{sum(x['ivcsw'] for x in ranks) / n / a.calls:.0f}", flush=True)
+            at_line = cpu / sent * rate / 8  # CPU seconds per second of sending at the line rate
+            print(f"{'':6s} CPU limit: {cpu / wall:.2f} cores busy per rank at this rate, {at_line:.2f} cores per "
+                  f"rank needed at the line rate; {os.cpu_count()} CPUs for {n} ranks = "
+                  f"{(os.cpu_count() or 1) / n:.2f} each", flush=True)
             if a.strace:
                 print(subprocess.run(["head", "-25", out + ".strace"], capture_output=True, text=True).stdout)
 

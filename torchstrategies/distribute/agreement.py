@@ -7,8 +7,10 @@ tensors equal? The one place that answers it, for the step's buffer rule, the pe
   kept to 63 bits so that ``-h`` is exact.
 * In-process replicas compare their components' fingerprints on the spot (:func:`check_replicas`); ranks
   compare theirs with ONE small collective, a MAX all-reduce of ``[h, -h]`` (equal on every rank exactly
-  when max == -max(-h)) through the strategy's process group (:class:`RankAgreement`), which the per-step
-  check starts before the optimizer's update and finishes after it (:meth:`RankAgreement.max_min_async`).
+  when max == -max(-h)) through the strategy's process group (:class:`RankAgreement`); the per-step check
+  (``agreement_step.py``) fills its payload in C++ (``ts.ops.agreement_hash_``, the same hash with the
+  tensor's dtype, shape and hashed range mixed in) and runs it after the optimizer's update
+  (:meth:`RankAgreement.max_min_payload`).
   Only when something differs does a second all-reduce find which ranks hold which value, for the error.
 * The one error is ``ReplicaDivergenceError``: it names the tensor, the ranks or replicas that differ, when
   (the optimizer step), and the likely cause (:func:`divergence_error`).
@@ -48,7 +50,8 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the descr
 
 
 class Waitable(Protocol):
-    """A collective in flight (``PendingAllReduce``): ``wait()`` returns its reduced tensors."""
+    """A collective in flight (``PendingAllReduce``): ``wait()`` returns its reduced tensors (the type of
+    ``WorkerAgreement``'s ``all_reduce_async``)."""
 
     def wait(self) -> list[torch.Tensor]: ...
 
@@ -152,15 +155,11 @@ class RankAgreement:
         all_reduce: ``fn(op, tensors) -> reduced tensors`` over every rank (the strategy's process group).
         rank, world: this rank and the group's size.
         device: where the collective's tensors live (the rank's device: NCCL reduces only GPU tensors).
-        all_reduce_async: ``fn(op, tensors) -> handle`` whose ``wait()`` returns what ``all_reduce`` would: the
-            same collective started now, finished later (None: :meth:`max_min_async` runs it at once).
     """
 
     def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int,
-                 world: int, device: torch.device,
-                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable] | None = None) -> None:
+                 world: int, device: torch.device) -> None:
         self._all_reduce = all_reduce
-        self._all_reduce_async = all_reduce_async
         self.rank, self.world, self.device = rank, world, device
 
     def _payload(self, values: Sequence[int]) -> torch.Tensor:
@@ -178,13 +177,15 @@ class RankAgreement:
         (most,) = self._all_reduce(ReduceOp.MAX, [self._payload(values)])
         return self._split(most)
 
-    def max_min_async(self, values: Sequence[int]) -> Callable[[], tuple[list[int], list[int]]]:
-        """:meth:`max_min` started now: the returned function waits for it and returns (max, min)."""
-        if self._all_reduce_async is None:
-            result = self.max_min(values)
-            return lambda: result
-        handle = self._all_reduce_async(ReduceOp.MAX, [self._payload(values)])
-        return lambda: self._split(handle.wait()[0])
+    def max_min_payload(self, payload: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """:meth:`max_min` of ``payload``, an int64 tensor already laid out as ``[v, -v]``
+        (``ops.agreement_hash_``'s): ONE MAX all-reduce, at once; None when every rank holds the same payload
+        (max == min everywhere: one tensor op, no Python per element)."""
+        (most,) = self._all_reduce(ReduceOp.MAX, [payload.to(self.device)])
+        half = most.numel() // 2
+        if not bool(most[:half].add(most[half:]).any()):   # max - min, in [0, 2**63): no overflow
+            return None
+        return self._split(most)
 
     def differing(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """The indices of ``tensors`` whose copies differ between the ranks (every rank calls it with the

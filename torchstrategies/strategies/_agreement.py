@@ -3,7 +3,8 @@ hold equal, what to call it in an error, and what likely made it differ.
 
 At every ``optimizer.step()`` :meth:`WorkerAgreement.before_step` (the strategy's step pre-hook, after the
 gradients are reduced and the MEAN buffers averaged) starts the check of ``distribute/agreement_step.py``
-and :meth:`WorkerAgreement.after_step` (the step post-hook, after the update) finishes it: the parameters and
+(what moved, and what is forced, hashed before the update) and :meth:`WorkerAgreement.after_step` (the step
+post-hook, after the update) finishes it (the rotating slice's piece, then the one all-reduce): the parameters and
 the buffers not declared MEAN of the modules made in the scope, and the parameters of the stepping optimizer
 (tracked); the parameters of an optimizer no strategy watches, whole (forced: a model and optimizer made
 outside the scope, trained apart on every rank). :meth:`WorkerAgreement.held` walks the modules once a step,
@@ -22,7 +23,7 @@ import torch
 from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
 from torchstrategies.distribute.agreement import RankAgreement, Waitable
-from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, StepAgreement
+from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, StepAgreement, StepTensors
 from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.reduce_op import ReduceOp
 
@@ -65,8 +66,9 @@ class WorkerAgreement:
 
     Args:
         all_reduce: the strategy's ``all_reduce_tensors(op, tensors)`` (its process group).
-        all_reduce_async: the strategy's ``all_reduce_tensors_async(op, tensors)``: the same, started now and
-            finished by the handle's ``wait()`` (None: at once, as the fault-tolerant mode's commit point needs).
+        all_reduce_async: unused (the check's one all-reduce runs at once, in the step post-hook: on the
+            strategy's backend a started collective runs on the backend's thread, which costs a step more on a
+            busy CPU than running it in the caller's); kept so that callers' arguments stay valid.
         rank, world, device: this rank, the group's size, the rank's device.
         modules: the modules made in the scope (weak references, in creation order).
     """
@@ -74,13 +76,14 @@ class WorkerAgreement:
     def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]],
                  all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable] | None, rank: int, world: int,
                  device: torch.device, modules: list[weakref.ref[torch.nn.Module]]) -> None:
-        self.ranks = RankAgreement(all_reduce, rank, world, device, all_reduce_async)
+        self.ranks = RankAgreement(all_reduce, rank, world, device)
         slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
         self.step = StepAgreement(self.ranks, slices)
         self._modules = modules
         self._stepping: weakref.ref[torch.optim.Optimizer] | None = None
-        # Per optimizer, the steps it has taken: its turn through the rotating slice's pieces of its tensors.
-        self._turns: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        # Per optimizer, what its steps compare (kept while the list is the same) and its turn through the
+        # rotating slice's pieces of its tensors.
+        self._lists: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepTensors] = weakref.WeakKeyDictionary()
 
     # --- what the modules hold ------------------------------------------------------------------------------
     def _walk(self, optimizer: torch.optim.Optimizer | None = None
@@ -143,38 +146,53 @@ class WorkerAgreement:
     def before_step(self, optimizer: torch.optim.Optimizer, held: Held | None) -> None:
         """The step pre-hook: starts the check of this step (``held``: what the step concerns, None when no
         parameter of ``optimizer`` is the strategy's: its parameters are then compared whole)."""
+        if not self.step.slices:   # the check is off (TORCHSTRATEGIES_AGREEMENT=0): nothing to keep either
+            self._stepping = None
+            return
         if held is None:
             self._stepping = None
-            names = {id(p): f"{type(optimizer).__name__}.param_groups[{gi}]['params'][{pi}] (shape "
-                            f"{tuple(p.shape)}, made outside the scope)"
-                     for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])}
-            forced = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
             tracked: list[torch.Tensor] = []
+            forced = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
         else:
             self._stepping = weakref.ref(optimizer)
-            tracked, forced, names = held.tracked, [], {}
-        everything = tracked + forced
-        turn = self._turns.get(optimizer, 0)
-        self._turns[optimizer] = turn + 1
+            tracked, forced = held.tracked, []
+        lists = self._lists.get(optimizer)
+        if lists is None:
+            lists = self._lists[optimizer] = StepTensors()
+        lists.use(tracked, forced)
+        outside = held is None
 
         def raise_for(i: int, reason: str, fingerprint: int, when: str) -> None:
-            t = everything[i]
-            name = names.get(id(t)) or self.describe(t)[0]
+            t = lists.tensors[i]
+            name = self._outside_name(optimizer, t) if outside else self.describe(t)[0]
             self.ranks.raise_for([(name, t)], when, lambda _: self.cause(t, reason), fingerprint)
 
-        self.step.start(tracked, forced, turn, raise_for)
+        self.step.start(lists, raise_for)
+
+    @staticmethod
+    def _outside_name(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> str:
+        for gi, g in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(g["params"]):
+                if p is t:
+                    return (f"{type(optimizer).__name__}.param_groups[{gi}]['params'][{pi}] (shape "
+                            f"{tuple(p.shape)}, made outside the scope)")
+        return f"a tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step post-hook: the optimizer's own writes are not news at the next step; then the check the
-        pre-hook started is finished (it raises, on every rank, if the ranks differ)."""
+        pre-hook started is finished (the piece of the rotating slice hashed, just written by the update, and
+        the one all-reduce): it raises, on every rank, if the ranks differ."""
         if self._stepping is not None and self._stepping() is optimizer:
-            self.step.record([p for g in optimizer.param_groups for p in g["params"]])
+            lists = self._lists.get(optimizer)
+            if lists is not None:
+                self.step.record(lists, [p for g in optimizer.param_groups for p in g["params"]])
         self._stepping = None
         self.step.finish()
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The whole check of a step of ``optimizer``, finished now (before its update): the fault-tolerant
-        mode's commit point, where the check belongs to the step's transaction."""
+        """The whole check of a step of ``optimizer``, finished now (before its update, the rotating slice's
+        piece too): the fault-tolerant mode's commit point, where the check belongs to the step's
+        transaction."""
         self.before_step(optimizer, self.held(optimizer))
         self.step.finish()
 

@@ -283,8 +283,8 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         optimizer none of whose parameters the strategy watches is plain torch beside the strategy (a per-rank
         model, stepped on some ranks only: left alone), unless the strategy watches nothing at all: then the
         model and optimizer were made outside the scope, every rank trains a model of its own, and its
-        parameters are compared across the ranks (issue 46, case 5). The check's all-reduce travels during the
-        update; the post-hook finishes it."""
+        parameters are compared across the ranks (issue 46, case 5). The post-hook finishes the check (the
+        rotating slice's piece, hashed after the update, and the one all-reduce)."""
         watched = self._synchronizers.before_step(optimizer)
         held = self.agreement.held(optimizer) if watched else None   # one walk of the modules a step
         if held is not None:
