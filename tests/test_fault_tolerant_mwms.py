@@ -150,12 +150,12 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("implementation", ["GLOO", "AUTO"])
-def test_a_worker_killed_while_the_step_s_all_reduces_are_in_flight_costs_no_step(tmp_path, implementation):
-    # Slot 1 dies in the middle of backward, its first gradient having started the agreement check's
-    # all-reduce (which travels while backward goes on). Every survivor finishes (fails, or completes) each
-    # all-reduce of the step before the decision, which is abort: nothing of the step is applied, the
-    # survivors redo it, and slot 1 rejoins. On our backend (AUTO: shared memory) no segment is left (_run).
-    fault = {"slot": 1, "restart": 0, "at_least_step": 4, "phase": "in_flight", "action": "kill"}
+def test_a_worker_killed_at_the_commit_point_costs_no_step_on_gloo_and_on_our_backend(tmp_path, implementation):
+    # Slot 1 dies at the end of its backward, as its gradients' all-reduce is about to start; the survivors'
+    # all-reduce (or their agreement check's) fails, the decision is abort: nothing of the step is applied,
+    # the survivors redo it, and slot 1 rejoins. On our backend (AUTO: shared memory, collectives run on the
+    # caller's thread) no segment is left either (_run checks /dev/shm).
+    fault = {"slot": 1, "restart": 0, "at_least_step": 4, "phase": "all_reduce", "action": "kill"}
     workers, results = _run(tmp_path, [fault], implementation=implementation)
     assert len(next(w for w in workers if w.slot == 1).pids) == 2
     _check_recovered(workers, results, {1})

@@ -1,6 +1,6 @@
 """The collectives of a fault-tolerant step: each generation's group, the step's flat buffers, and an
-all-reduce over the group, waited for at once (:func:`all_reduce`) or later (:func:`start_all_reduce`), whose
-failure is one named exception (``CollectiveFailed``)."""
+all-reduce over the group, waited for at once (our backend runs it on the caller's thread), whose failure is
+one named exception (``CollectiveFailed``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies.fault_tolerance.membership import Generation
 
-__all__ = ["Group", "Flat", "CollectiveFailed", "Pending", "make_group", "all_reduce", "start_all_reduce"]
+__all__ = ["Group", "Flat", "CollectiveFailed", "make_group", "all_reduce"]
 
 Group = Any  # a c10d ProcessGroupGloo or our backend: both have allreduce / broadcast returning a Work
 
@@ -55,52 +55,16 @@ class CollectiveFailed(Exception):
     """A collective over the generation's group failed (a member was lost)."""
 
 
-def _options(op: ReduceOp, wait_now: bool) -> dist.AllreduceOptions:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _C10D_OPS[op]
-    opts.asyncOp = not wait_now  # waited for at once: our backend runs it on the caller's thread (no hand-off)
-    return opts
-
-
-class Pending:
-    """An all-reduce started by :func:`start_all_reduce`; :meth:`wait` finishes it."""
-
-    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
-        self._work, self.tensors = work, tensors
-
-    def wait(self) -> list[torch.Tensor]:
-        """The reduced tensors (in place), once the all-reduce completed.
-
-        Raises:
-            CollectiveFailed: it failed (a member was lost).
-        """
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise CollectiveFailed(f"all-reduce failed: {exc}") from exc
-        return self.tensors
-
-
-def start_all_reduce(group: Group, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
-    """Starts ``tensors``' all-reduce over ``group`` (in place) and returns at once: the caller computes while
-    it travels, and waits with :meth:`Pending.wait`. Every member starts the same all-reduces in the same order.
-
-    Raises:
-        CollectiveFailed: it could not start (a member was lost).
-    """
-    try:
-        return Pending(group.allreduce(tensors, _options(op, False)), tensors)
-    except RuntimeError as exc:
-        raise CollectiveFailed(f"all-reduce failed: {exc}") from exc
-
-
 def all_reduce(group: Group, op: ReduceOp, tensors: list[torch.Tensor]) -> None:
     """``tensors`` reduced over ``group`` in place, now.
 
     Raises:
         CollectiveFailed: it failed (a member was lost).
     """
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _C10D_OPS[op]
+    opts.asyncOp = False  # waited for at once: our backend runs it on the caller's thread (no hand-off)
     try:
-        group.allreduce(tensors, _options(op, True)).wait()
+        group.allreduce(tensors, opts).wait()
     except RuntimeError as exc:
         raise CollectiveFailed(f"all-reduce failed: {exc}") from exc

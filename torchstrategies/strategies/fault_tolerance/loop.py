@@ -10,15 +10,12 @@ One :meth:`TransactionalLoop.step` (``step_fn(batch)``: forward, ``loss.backward
 2. It snapshots what ``step_fn`` may change before its commit point (the model's buffers and the random
    states, ``snapshot.py``) and calls ``step_fn`` on its part of global batch ``steps`` (``global_batches.py``)
    with no ``.grad``; each gradient backward makes is copied by its parameter's hook into one flat buffer per
-   dtype (``.grad`` becomes a view into it), as MultiWorkerMirrored's synchronizer does. The first gradient
-   also starts the per-step agreement check (the MultiWorkerMirrored one, ``strategies/_agreement.py``, over
-   the generation's group): it hashes what the ranks hold, which backward does not write, and its small
-   all-reduce travels during the rest of backward.
+   dtype (``.grad`` becomes a view into it), as MultiWorkerMirrored's synchronizer does.
 3. **The commit point is the end of ``loss.backward()``** (a callback the first gradient hook queues in the
    autograd engine, as DDP's reducer does): there the gradients, one "had a gradient" flag per parameter and
    the MEAN buffers weighted by this member's share of the rows are summed over the group in ONE all-reduce
-   per dtype, the check's all-reduce is waited for (every collective of the step finishes before the
-   decision), and the step's one decision is taken (``Membership.commit``).
+   per dtype, the per-step agreement check runs (the MultiWorkerMirrored one, ``strategies/_agreement.py``,
+   over the generation's group), and the step's one decision is taken (``Membership.commit``).
    Committed: ``.grad`` holds the global gradient and the buffers their global value when ``backward()``
    returns; what ``step_fn`` does next (clipping, the optimizer, the scheduler, a GradScaler) runs as under
    MultiWorkerMirrored and the step counts once. Discarded (a collective failed on some member, or before
@@ -60,10 +57,8 @@ from torchstrategies.strategies.fault_tolerance.group import (
     CollectiveFailed,
     Flat,
     Group,
-    Pending,
     all_reduce,
     make_group,
-    start_all_reduce,
 )
 from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership, Refused
 from torchstrategies.strategies.fault_tolerance.snapshot import StepSnapshot
@@ -101,8 +96,7 @@ class TransactionalLoop:
         generation: the current generation (None between generations).
         aborted, refused, healed_at: steps discarded here, times this worker was refused, and the ``steps``
             at which it received the live state (None: it never did).
-        phase_hook: called with the phase name ("forward", "in_flight" (at the first gradient: the agreement
-            check's all-reduce started, backward going on), "all_reduce", "commit", "apply", "heal_send"
+        phase_hook: called with the phase name ("forward", "all_reduce", "commit", "apply", "heal_send"
             (the heal's source), "heal" (the others), "heal_header"); for fault-injection tests.
     """
 
@@ -132,7 +126,6 @@ class TransactionalLoop:
         self._share = 0.0            # this member's rows / the global batch's
         self._stepped = False        # the optimizer stepped in this step
         self._agreement: WorkerAgreement | None = None
-        self._check_failed: CollectiveFailed | None = None  # the check's all-reduce could not start
         self._optimizer_hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                                  optimizer.register_step_post_hook(self._after_optimizer_step)]
 
@@ -169,8 +162,7 @@ class TransactionalLoop:
                 continue
             self.generation = gen
             self._agreement = None if gen.size == 1 else WorkerAgreement(
-                self._group_all_reduce, self._group_all_reduce_async, gen.index, gen.size, self._device,
-                [weakref.ref(self.model)])
+                self._group_all_reduce, None, gen.index, gen.size, self._device, [weakref.ref(self.model)])
             self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
@@ -216,11 +208,6 @@ class TransactionalLoop:
         assert self.group is not None
         all_reduce(self.group, op, tensors)
         return tensors
-
-    def _group_all_reduce_async(self, op: ReduceOp, tensors: list[torch.Tensor]) -> Pending:
-        """The same, started now (the check's all-reduce travels during the rest of backward)."""
-        assert self.group is not None
-        return start_all_reduce(self.group, op, tensors)
 
     def _leave_group(self) -> None:
         self._membership.end()
@@ -332,7 +319,6 @@ class TransactionalLoop:
             if self._phase_of_step is _Phase.OPEN:
                 self._phase_of_step = _Phase.COMMITTING
                 torch.autograd.Variable._execution_engine.queue_callback(self._commit_point)
-                self._start_check()
             elif self._phase_of_step is _Phase.COMMITTED:
                 raise RuntimeError(
                     f"fault-tolerant MultiWorkerMirrored: a second backward() in step {self.steps}: the end of "
@@ -345,23 +331,10 @@ class TransactionalLoop:
             self._had[i] = True
         return on_grad
 
-    def _start_check(self) -> None:
-        """The first gradient of the step's backward: the agreement check hashes what the ranks hold (the
-        parameters, which backward does not write) and starts its MAX all-reduce, which travels while
-        backward goes on; the commit point finishes it, before the decision (it stays part of the step)."""
-        self._check_failed = None
-        if self._agreement is not None:
-            try:
-                self._agreement.before_step(self.optimizer, self._agreement.held(self.optimizer))
-            except CollectiveFailed as exc:  # not raised here: the commit point aborts the step
-                self._check_failed = exc
-        self._phase("in_flight")
-
     def _commit_point(self) -> None:
-        """The end of ``backward()``: the gradients' all-reduce, the end of the agreement check that the first
-        gradient started, and the step's one decision. Every all-reduce of the step is finished (completed or
-        failed) before the decision, so none is in flight after it; the gradients' is waited for at once (our
-        backend then runs it on this thread: no hand-off to its worker)."""
+        """The end of ``backward()``: the gradients' all-reduce, the agreement check, and the step's one
+        decision. Both collectives are waited for at once (our backend then runs them on this thread: no
+        hand-off to its worker), so none of the step's collectives is in flight at the decision."""
         gen = self.generation
         assert gen is not None and self.group is not None
         flats = self._flats
@@ -376,27 +349,18 @@ class TransactionalLoop:
                     v.copy_(b).mul_(self._share)
             flats[0].extra.copy_(torch.tensor(self._had, dtype=flats[0].extra.dtype))
         self._phase("all_reduce")
-        failed: BaseException | None = self._check_failed
-        diverged: ReplicaDivergenceError | None = None
+        ok = True
         try:
-            if failed is None:
-                for f in flats:  # on the group after the check's all-reduce (our backend: FIFO)
-                    all_reduce(self.group, ReduceOp.SUM, [f.flat])
-        except CollectiveFailed as exc:
-            failed = exc
-        try:
+            for f in flats:
+                all_reduce(self.group, ReduceOp.SUM, [f.flat])
             if self._agreement is not None:
-                self._agreement.step.finish()  # the check's all-reduce (done, or failed with the member)
-        except ReplicaDivergenceError as exc:
-            diverged = exc  # the same on every member: the step is discarded and the error goes to the caller
+                self._agreement.check_step(self.optimizer)
+        except ReplicaDivergenceError:
+            raise  # the same on every member: the step is discarded and the error goes to the caller
         except (CollectiveFailed, RuntimeError) as exc:
-            failed = failed or exc
-        if diverged is not None:
-            raise diverged
-        ok = failed is None
-        if not ok:
-            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, failed)
-        else:
+            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, exc)
+            ok = False
+        if ok:
             self._phase("commit")
         committed, self._joiners = self._membership.commit(gen, self.steps, ok)
         self._decided = True
