@@ -19,7 +19,7 @@ from harness import Rendezvous
 SECRET = "test-job-secret-0123456789abcdef"
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_small_job.py")
 ROOT = os.path.dirname(os.path.dirname(JOB))   # the checkout: the tasks import this tree's package
-RUNS = int(os.environ.get("PS_EXIT_RUNS", "10"))  # more with PS_EXIT_RUNS=N
+RUNS = int(os.environ.get("PS_EXIT_RUNS", "5"))  # more with PS_EXIT_RUNS=N
 
 
 def _run_job() -> list[tuple[int, list[str], str]]:
@@ -48,7 +48,7 @@ def _run_job() -> list[tuple[int, list[str], str]]:
 
 
 @pytest.mark.timeout(900)
-def test_a_small_job_run_ten_times_ends_with_every_task_exiting_zero_and_no_thread_left():
+def test_a_small_job_run_five_times_ends_with_every_task_exiting_zero_and_no_thread_left():
     for run in range(RUNS):
         tasks = _run_job()
         for (code, threads, text), name in zip(tasks, ("chief", "ps:0", "worker:0"), strict=True):
