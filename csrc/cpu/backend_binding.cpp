@@ -31,10 +31,11 @@ Backend& ours(c10d::Backend& b) {
 }
 
 c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                               double timeout_s, std::vector<int64_t> global_ranks,
-                                               std::string desc, int impl, std::string host_id,
-                                               std::string ring_addr, int64_t slot_bytes, int64_t ring_small_bytes,
-                                               int64_t ring_chunk_bytes, int64_t ring_socket_bytes,
+                                               double timeout_s, double setup_timeout_s,
+                                               std::vector<int64_t> global_ranks, std::string desc, int impl,
+                                               std::string host_id, std::string ring_addr, int64_t slot_bytes,
+                                               int64_t ring_small_bytes, int64_t ring_chunk_bytes,
+                                               int64_t ring_socket_bytes,
                                                std::vector<std::pair<std::string, std::string>> settings) {
   TORCH_CHECK(impl >= 0 && impl <= 3, "torchstrategies backend: bad implementation code ", impl);
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "torchstrategies backend: bad rank ", rank, " of ", size);
@@ -55,7 +56,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
   cfg.settings = std::move(settings);
   std::unique_ptr<core::Transport> t;
   try {
-    t = std::make_unique<core::Transport>(std::move(cfg), std::make_shared<BoundedStore>(store), timeout_s);
+    t = std::make_unique<core::Transport>(std::move(cfg), std::make_shared<BoundedStore>(store), setup_timeout_s);
   } catch (const core::Fault& f) {
     static const char* names[] = {"DeadlineExceededError", "UnavailableError", "ValueError", "ValueError"};
     throw c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -69,10 +70,11 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
 void init_backend_bindings(py::module_& m) {
   install_code_names();
   m.def("make_backend", &make_backend, py::call_guard<py::gil_scoped_release>(), py::arg("store"), py::arg("rank"),
-        py::arg("size"), py::arg("timeout"), py::arg("global_ranks"), py::arg("desc"), py::arg("implementation"),
-        py::arg("host_id"), py::arg("ring_addr"), py::arg("slot_bytes"), py::arg("ring_small_bytes"),
-        py::arg("ring_chunk_bytes"), py::arg("ring_socket_bytes"), py::arg("settings"),
-        "Makes the torchstrategies c10d backend of one group (collective over the group's ranks).");
+        py::arg("size"), py::arg("timeout"), py::arg("setup_timeout"), py::arg("global_ranks"), py::arg("desc"),
+        py::arg("implementation"), py::arg("host_id"), py::arg("ring_addr"), py::arg("slot_bytes"),
+        py::arg("ring_small_bytes"), py::arg("ring_chunk_bytes"), py::arg("ring_socket_bytes"), py::arg("settings"),
+        "Makes the torchstrategies c10d backend of one group (collective over the group's ranks): its set-up\n"
+        "waits at most setup_timeout seconds, its calls default to timeout seconds.");
   m.def(
       "backend_set_gloo", [](c10d::Backend& b, c10::intrusive_ptr<c10d::Backend> gloo) { ours(b).set_gloo(gloo); },
       py::arg("backend"), py::arg("gloo"), "Gives the backend the gloo backend it hands other collectives to.");

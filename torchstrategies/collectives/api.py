@@ -91,8 +91,10 @@ def new_group(options: CommunicationOptions | None = None, ranks: Sequence[int] 
                           pg_options=_backend.BackendOptions(opts.implementation, seconds))  # its creator logs
 
 
-def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
-    """Where calls with ``impl`` on ``group`` run, made once per group (``GroupState.targets``)."""
+def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool, timeout: float | None = None) -> Target:
+    """Where calls with ``impl`` on ``group`` run, made once per group (``GroupState.targets``). Making it is
+    collective (a backend's set-up, the first-use check) and is the first call's: bounded by that call's
+    ``timeout`` (None: the group's), as every wait of a call is."""
     g = topology.resolve(group)
     per = GroupState.of(g).targets
     found = per.get((impl, cuda))
@@ -105,7 +107,7 @@ def _target(group: dist.ProcessGroup | None, impl: Impl, cuda: bool) -> Target:
                            "create a new process group") from found
     _check_choice(impl, cuda, g)
     try:
-        made = _make_target(g, impl, cuda)
+        made = _make_target(g, impl, cuda, topology.group_timeout(g) if timeout is None else timeout)
     except BaseException as exc:
         per[(impl, cuda)] = exc
         raise
@@ -138,22 +140,24 @@ def _calls(backend: torch._C._distributed_c10d.Backend) -> C10dCollectives:
     return cast(C10dCollectives, backend)
 
 
-def _make_target(g: dist.ProcessGroup, impl: Impl, cuda: bool) -> Target:
+def _make_target(g: dist.ProcessGroup, impl: Impl, cuda: bool, setup: float) -> Target:
+    """The target, its set-up (collective) bounded by ``setup`` seconds; made backends keep the group's
+    timeout as their calls' default."""
     if cuda:
-        return Target(g, False, True, agree_on_first_use(g))
+        return Target(g, False, True, agree_on_first_use(g, setup))
     own = _cpu_backend(g)
     if impl is Impl.GLOO:
         if own is not None and own.name() == "gloo":
-            return Target(_calls(own), False, False, agree_on_first_use(g))
-        seconds = topology.group_timeout(g)
-        gloo = dist.ProcessGroupGloo(_derived_store(g, "GLOO"), dist.get_rank(g), dist.get_world_size(g),
-                                     datetime.timedelta(seconds=seconds))
-        return Target(_calls(gloo), False, False, agree_on_first_use(g))
+            return Target(_calls(own), False, False, agree_on_first_use(g, setup))
+        gloo = _backend.gloo_backend(_derived_store(g, "GLOO"), dist.get_rank(g), dist.get_world_size(g),
+                                     topology.group_timeout(g), setup)
+        return Target(_calls(gloo), False, False, agree_on_first_use(g, setup))
     if own is not None and _C.is_torchstrategies_backend(own):
         if impl is Impl.AUTO or _C.backend_plan(own)[0] == impl.name:
             return Target(_calls(own), True, True, debug.enabled())  # TORCHSTRATEGIES_DEBUG agreed at creation
     made = _backend.make(_derived_store(g, impl.name), dist.get_rank(g), dist.get_world_size(g),
-                         topology.group_timeout(g), topology.group_ranks(g), topology.describe_group(g), impl)
+                         topology.group_timeout(g), topology.group_ranks(g), topology.describe_group(g), impl,
+                         setup_timeout=setup)
     return Target(_calls(made), True, True, debug.enabled())
 
 
@@ -252,8 +256,8 @@ def _launch(what: str, tensors: TensorOrList, op: ReduceOp | str, group: dist.Pr
             if not (t.is_floating_point() or t.is_complex()):
                 raise TypeError(f"{what}: MEAN needs floating-point tensors, tensors[{i}] is {t.dtype}")
     g = topology.resolve(group)
-    target = _target(g, opts.implementation, cuda)
     timeout = _timeout(opts, g)
+    target = _target(g, opts.implementation, cuda, timeout)
     if target.debug:
         debug.check("all_reduce", rop, items, g, timeout)
     results = items if inplace else [t.clone(memory_format=torch.contiguous_format) for t in items]
@@ -393,8 +397,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
         raise TypeError("all_gather: expected one Tensor")
     t = items[0].contiguous()
     opts = _options("all_gather", options)
-    target = _target(group, opts.implementation, t.is_cuda)
     timeout = _timeout(opts, group)
+    target = _target(group, opts.implementation, t.is_cuda, timeout)
     if target.debug:
         debug.check("all_gather", None, [t], group, timeout)
     world = dist.get_world_size(group)
@@ -415,8 +419,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < len(ranks):
         raise ValueError(f"broadcast: src {src} is not a rank of {topology.describe_group(group)}")
     opts = _options("broadcast", options)
-    target = _target(group, opts.implementation, t.is_cuda)
     timeout = _timeout(opts, group)
+    target = _target(group, opts.implementation, t.is_cuda, timeout)
     if target.debug:
         debug.check("broadcast", src, [t], group, timeout)
     work = t if t.is_contiguous() else t.contiguous()
@@ -440,7 +444,7 @@ def buffer(numel: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGr
     opts = _options("buffer", options)
     if opts.implementation in (Impl.GLOO, Impl.NCCL):
         return torch.zeros(numel, dtype=dtype)
-    target = _target(group, opts.implementation, False)
+    target = _target(group, opts.implementation, False, _timeout(opts, group))
     try:
         out: torch.Tensor = _C.backend_buffer(target.obj, numel, torch.empty(0, dtype=dtype))
     except dist.DistBackendError as exc:

@@ -43,7 +43,8 @@ from torchstrategies.collectives.options import CommunicationImplementation as I
 
 _log = logging.getLogger("torchstrategies.collectives")
 
-__all__ = ["BACKEND", "BackendOptions", "register", "bind_address", "IMPLEMENTATIONS", "shm_slot_bytes"]
+__all__ = ["BACKEND", "BackendOptions", "register", "bind_address", "IMPLEMENTATIONS", "shm_slot_bytes",
+           "gloo_backend"]
 
 BACKEND = "torchstrategies"
 # The implementations the backend runs (GLOO and NCCL are torch's own backends; TREE was removed).
@@ -150,11 +151,16 @@ def shm_slot_bytes() -> int:
 
 
 def make(store: dist.Store, rank: int, size: int, timeout: float, global_ranks: list[int], desc: str,
-         impl: Impl) -> c10d.Backend:
+         impl: Impl, setup_timeout: float | None = None) -> c10d.Backend:
     """A torchstrategies c10d backend on ``store`` (collective over the group's ranks). Every backend is made
     here, whoever asks (``init_process_group`` / ``new_group`` through :func:`_create`, or the collectives
     API for a group on another backend), so this is where the one INFO record saying which implementation
-    it runs is logged (docs/logging.md)."""
+    it runs is logged (docs/logging.md).
+
+    ``timeout`` is the group's (its calls' default); ``setup_timeout`` (None: ``timeout``) bounds the set-up
+    here: the collectives API passes the timeout of the call that makes the backend, so a first call with a
+    short timeout and a missing peer raises within that timeout, not the group's."""
+    setup = timeout if setup_timeout is None else setup_timeout
     slot = shm_slot_bytes()
     small = _int_env("TORCHSTRATEGIES_RING_SMALL_BYTES", 64 << 10)
     chunk = _int_env("TORCHSTRATEGIES_RING_CHUNK_BYTES", 256 << 10)
@@ -167,16 +173,25 @@ def make(store: dist.Store, rank: int, size: int, timeout: float, global_ranks: 
     ]
     try:
         made = _C.make_backend(
-            store, rank, size, timeout, global_ranks, desc, _CODES[impl], topology.host_id(),
+            store, rank, size, timeout, setup, global_ranks, desc, _CODES[impl], topology.host_id(),
             bind_address() if impl is not Impl.SHM else "", slot, small, chunk,
             _int_env("TORCHSTRATEGIES_RING_SOCKET_BYTES", 0), settings)
     except dist.DistBackendError as exc:
         raise from_backend_error(exc) from None
     # gloo connects every pair now (send/recv need it ready); our own set-up has already succeeded.
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, datetime.timedelta(seconds=timeout))
+    gloo = gloo_backend(dist.PrefixStore("gloo/", store), rank, size, timeout, setup)
     _C.backend_set_gloo(made, gloo)
     _log.info("implementation %s (asked %s) for %d ranks of %s", _C.backend_plan(made)[0], impl.name, size, desc)
     return made
+
+
+def gloo_backend(store: dist.Store, rank: int, size: int, timeout: float, setup_timeout: float) -> c10d.Backend:
+    """A gloo backend whose connecting (collective, in the constructor) waits at most ``setup_timeout``
+    seconds and whose calls default to ``timeout``."""
+    gloo = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=setup_timeout))
+    if setup_timeout != timeout:
+        gloo.set_timeout(datetime.timedelta(seconds=timeout))
+    return gloo
 
 
 def register() -> None:

@@ -38,8 +38,9 @@ def check(what: str, op: ReduceOp | int | None, tensors: Sequence[torch.Tensor],
     descriptor.check("debug:" + what, op, tensors, group, t)
 
 
-def agree_on_first_use(group: dist.ProcessGroup) -> bool:
-    """The first call on a gloo / NCCL group: every rank exchanges (TORCHSTRATEGIES_DEBUG, host, pid).
+def agree_on_first_use(group: dist.ProcessGroup, timeout: float | None = None) -> bool:
+    """The first call on a gloo / NCCL group: every rank exchanges (TORCHSTRATEGIES_DEBUG, host, pid), within
+    ``timeout`` seconds (the first call's; None: the group's).
 
     Debug mode adds a collective to every call, so ranks that disagree on it would pair different
     collectives (and gloo aborts the process): a difference raises ValueError on every rank instead, naming
@@ -54,7 +55,8 @@ def agree_on_first_use(group: dist.ProcessGroup) -> bool:
     out = torch.zeros((n, 3), dtype=torch.int64, device=device)
     work = dist.all_gather(list(out.unbind(0)), mine, group=group, async_op=True)
     ranks = topology.group_ranks(group)
-    wait_work(work, topology.group_timeout(group), "first call (settings check)", topology.describe_group(group),
+    seconds = topology.group_timeout(group) if timeout is None else timeout
+    wait_work(work, seconds, "first call (settings check)", topology.describe_group(group),
               [r for i, r in enumerate(ranks) if i != me])
     rows = out.cpu().tolist()
     remember_peers(group, [(int(r[1]), int(r[2])) for r in rows])
