@@ -49,6 +49,7 @@ def test_a_ring_set_up_only_one_rank_attempted_does_not_break_later_groups():
     alone = res[0]["alone"]
     assert alone.startswith("DeadlineExceededError: set-up on world"), alone
     assert "ranks [1] did not arrive within 3 s" in alone, alone
+    assert "wait timeout" in alone and "store did not answer" not in alone, alone  # the store answered
     for out in res:
         assert out["new_group_0"] == [3.0, 3.0, 3.0] and out["new_group_1"] == [3.0, 3.0, 3.0], out
 

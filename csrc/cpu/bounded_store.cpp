@@ -52,6 +52,8 @@ R bounded(const c10::intrusive_ptr<c10d::Store>& store, double seconds, const st
   if (call->error) {
     try {
       std::rethrow_exception(call->error);
+    } catch (const c10::Error& e) {  // the store's own message, without torch's C++ backtrace
+      throw core::StoreTimeout(what + ": " + e.what_without_backtrace());
     } catch (const std::exception& e) {
       throw core::StoreTimeout(what + ": " + e.what());
     }
@@ -74,8 +76,10 @@ void BoundedStore::set(const std::string& key, const std::string& value, double 
 
 std::vector<std::string> BoundedStore::get(const std::vector<std::string>& keys, double seconds) {
   const std::string first = keys.empty() ? std::string() : keys.front();
+  // The store's own wait ends first when its host answers (a key nobody set: "wait timeout ... keys: ..."),
+  // so only a store that does not answer at all is reported as one, kStoreSeconds later.
   return bounded<std::vector<std::string>>(
-      store_, seconds, "the keys '" + first + "'...", [keys, seconds](c10d::Store& s) {
+      store_, seconds + core::kStoreSeconds, "the keys '" + first + "'...", [keys, seconds](c10d::Store& s) {
         s.wait(keys, ms(seconds));
         std::vector<std::string> out;
         for (const auto& k : keys) {
