@@ -18,11 +18,12 @@ TORCH_LIBRARY(torchstrategies, m) {
   m.def("accumulate_grouped_(Tensor(a!)[] dsts, Tensor[] tensors) -> ()");
   // An exact, order-sensitive 64-bit hash of each tensor's bytes (csrc/core/hash.h), as int64 on their device.
   m.def("hash_tensors(Tensor[] tensors) -> Tensor");
-  // The per-step agreement check's phases (csrc/cpu/agreement_step.cpp): the moved tensors' (piece < 0) or
-  // this step's piece's fingerprints into `payload`, ready for one MAX all-reduce; the optimizer's writes.
+  // The per-step agreement check (csrc/cpu/agreement_step.cpp): the fingerprints of the tensors that moved,
+  // of the forced ones and of this step's piece into `payload`, ready for one MAX all-reduce; then, after the
+  // optimizer's step, its writes recorded.
   m.def("agreement_hash_(Tensor[] tensors, Tensor(a!) state, Tensor(b!) payload, int forced_from, int piece, "
         "int slices) -> ()");
-  m.def("agreement_record_(Tensor[] tensors, Tensor[] written, Tensor(a!) state) -> ()");
+  m.def("agreement_record_(Tensor[] tensors, Tensor(a!) state) -> ()");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -257,18 +257,20 @@ def hash_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def agreement_hash_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor, forced_from: int,
                     piece: int, slices: int) -> None:
-    """One phase of the per-step agreement check (``distribute/agreement_step.py``) into ``payload`` (int64, 4n:
-    flags, fingerprints and their negations): ``piece < 0``, the tensors that moved since ``state`` recorded
-    them (recorded now) and those from ``forced_from`` on, whole; else piece ``piece`` of ``slices`` of the
-    others' bytes. ``state``: int64 (n, 3) on the CPU, zeros for a new list. Called every step: no checks here
-    beyond the kernel's."""
+    """The per-step agreement check's tensor work (``distribute/agreement_step.py``), before the optimizer's
+    update, into ``payload`` (int64, 6n: flags, fingerprints, their negations, and the flags and fingerprints
+    again, which the all-reduce of the first 4n leaves as this rank's): the tracked tensors (before
+    ``forced_from``) that moved since ``state`` recorded them (recorded now) and the forced ones (from
+    ``forced_from`` on), whole; the other tracked tensors' part of piece ``piece`` of ``slices`` (``0 <= piece
+    < slices``) of their bytes laid end to end. ``state``: int64 (n, 3) on the CPU, a version of -1 for a new
+    list. Called every step: no checks here beyond the kernel's."""
     _ops.agreement_hash_(tensors, state, payload, forced_from, piece, slices)
 
 
-def agreement_record_(tensors: Sequence[torch.Tensor], written: Sequence[torch.Tensor], state: torch.Tensor) -> None:
-    """Records in ``state`` the positions of ``tensors`` that hold one of ``written`` as they are now (an
-    optimizer's own writes, after its step)."""
-    _ops.agreement_record_(tensors, written, state)
+def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor) -> None:
+    """Records in ``state`` every position of ``tensors`` as it is now (after an optimizer's step: what moved
+    during it is its own write)."""
+    _ops.agreement_record_(tensors, state)
 
 
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
@@ -309,7 +311,7 @@ torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumu
 torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
 torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, slices: None)
-torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, written, state: None)
+torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state: None)
 
 
 def _setup_ctx(ctx, inputs, output):

@@ -1,4 +1,4 @@
-// The per-step agreement check's work on its tensors, one call a phase (torchstrategies/distribute/
+// The per-step agreement check's work on its tensors, one call a step (torchstrategies/distribute/
 // agreement_step.py): which tensors moved since they were recorded, which bytes this step's piece of the
 // rotating slice holds, their fingerprints (the hash of csrc/core/hash.h mixed with the tensor's dtype, shape
 // and the hashed range), written into the int64 payload of the check's one MAX all-reduce.
@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
 #include "core/hash.h"
@@ -86,12 +85,12 @@ void check_call(at::TensorList tensors, const at::Tensor& state, const at::Tenso
   const int64_t n = static_cast<int64_t>(tensors.size());
   check_state(op, tensors, state);
   TORCH_CHECK(payload.device().is_cpu() && payload.scalar_type() == at::kLong && payload.is_contiguous() &&
-                  payload.dim() == 1 && payload.size(0) == 4 * n,
-              op, ": payload must be a contiguous int64 CPU tensor of ", 4 * n, " elements, got ",
+                  payload.dim() == 1 && payload.size(0) == 6 * n,
+              op, ": payload must be a contiguous int64 CPU tensor of ", 6 * n, " elements, got ",
               payload.scalar_type(), " ", payload.sizes(), " on ", payload.device());
   TORCH_CHECK(0 <= forced_from && forced_from <= n, op, ": forced_from=", forced_from, " is not in [0, ", n, "]");
-  TORCH_CHECK(piece < 0 || (slices >= 1 && piece < slices), op, ": piece ", piece, " of ", slices,
-              " slices: expected -1 (the moved phase) or 0 <= piece < slices");
+  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, op, ": piece ", piece, " of ", slices,
+              " slices: expected slices >= 1 and 0 <= piece < slices");
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(tensors[i].layout() == at::kStrided, op, ": tensors[", i, "] has layout ", tensors[i].layout(),
                 "; only strided (dense) tensors are hashed");
@@ -100,12 +99,12 @@ void check_call(at::TensorList tensors, const at::Tensor& state, const at::Tenso
 
 }  // namespace
 
-// piece < 0, the moved phase (before the optimizer's update): flags[i] = whether tracked tensor i (i <
-// forced_from) moved (version or storage) since recorded, recorded now; the moved and the forced (i >=
-// forced_from) tensors hashed whole into slots[i]; every other slot 0. piece >= 0, the piece phase: slots of
-// the tracked tensors that did not move get the fingerprint of their part of piece `piece` of `slices` of
-// the tracked tensors' bytes laid end to end (a non-contiguous tensor whole, in the piece where it starts).
-// Then payload = [flags, slots, -flags, -slots].
+// One call a step, before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved
+// (version or storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors
+// hashed whole into slots[i]; each other tracked tensor's part of piece `piece` of `slices` of the tracked
+// tensors' bytes laid end to end into slots[i] (a non-contiguous tensor whole, in the piece where it starts;
+// 0 for a tensor with no byte in the piece). Then payload = [flags, slots, -flags, -slots, flags, slots]: the
+// first 4n for the MAX all-reduce (reduced in place), the last 2n this rank's own values.
 void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
                      int64_t forced_from, int64_t piece, int64_t slices) {
   check_call(tensors, state, payload, forced_from, piece, slices);
@@ -114,35 +113,27 @@ void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::
   int64_t* flags = payload.mutable_data_ptr<int64_t>();
   int64_t* slots = flags + n;
   std::vector<Item> items;
-  if (piece < 0) {
-    for (int64_t i = 0; i < n; ++i) {
-      const at::Tensor& t = tensors[i];
-      int64_t* row = st + i * kCols;
-      bool whole = i >= forced_from;
-      row[kMoved] = 0;
-      if (!whole) {
-        const int64_t version = t._version(), ptr = address(t);
-        if (row[kVersion] != version || row[kPtr] != ptr) {
-          row[kVersion] = version;
-          row[kPtr] = ptr;
-          row[kMoved] = 1;
-          whole = true;
-        }
-      }
-      flags[i] = row[kMoved];
-      slots[i] = 0;
-      if (whole) items.push_back({i, t.detach(), 0, t.numel()});
-    }
-  } else {
-    int64_t total = 0;
-    for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
-    const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
-    int64_t start = 0;
-    for (int64_t i = 0; i < forced_from && start < hi; ++i) {
-      const at::Tensor& t = tensors[i];
+  int64_t total = 0;
+  for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
+  const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
+  int64_t start = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    int64_t* row = st + i * kCols;
+    row[kMoved] = 0;
+    slots[i] = 0;
+    if (i >= forced_from) {
+      items.push_back({i, t.detach(), 0, t.numel()});
+    } else {
+      const int64_t version = t._version(), ptr = address(t);
       const int64_t e = static_cast<int64_t>(t.element_size());
       const int64_t size = t.numel() * e, end = start + size;
-      if (st[i * kCols + kMoved] == 0 && end > lo && size > 0) {
+      if (row[kVersion] != version || row[kPtr] != ptr) {
+        row[kVersion] = version;
+        row[kPtr] = ptr;
+        row[kMoved] = 1;
+        items.push_back({i, t.detach(), 0, t.numel()});
+      } else if (end > lo && start < hi && size > 0) {
         if (!t.is_contiguous()) {
           if (lo <= start) items.push_back({i, t.detach(), 0, t.numel()});
         } else {
@@ -153,24 +144,23 @@ void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::
       }
       start = end;
     }
+    flags[i] = row[kMoved];
   }
   hash_items(items, slots);
-  for (int64_t j = 0; j < 2 * n; ++j) flags[2 * n + j] = -flags[j];
+  for (int64_t j = 0; j < 2 * n; ++j) {
+    flags[2 * n + j] = -flags[j];
+    flags[4 * n + j] = flags[j];
+  }
 }
 
-// After an optimizer's step: the positions of `tensors` that hold one of `written` (the optimizer's own
-// parameters) are recorded as they are now: its own writes are no news at the next step.
-void agreement_record_(at::TensorList tensors, at::TensorList written, const at::Tensor& state) {
+// After an optimizer's step: every position of `tensors` is recorded as it is now (what moved during the
+// optimizer's step is its own write: no news at the next step).
+void agreement_record_(at::TensorList tensors, const at::Tensor& state) {
   check_state("agreement_record_", tensors, state);
-  std::unordered_map<const c10::TensorImpl*, int64_t> position;
-  position.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) position.emplace(tensors[i].unsafeGetTensorImpl(), static_cast<int64_t>(i));
   int64_t* st = state.mutable_data_ptr<int64_t>();
-  for (const auto& w : written) {
-    const auto it = position.find(w.unsafeGetTensorImpl());
-    if (it == position.end()) continue;
-    st[it->second * kCols + kVersion] = w._version();
-    st[it->second * kCols + kPtr] = address(w);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    st[i * kCols + kVersion] = tensors[i]._version();
+    st[i * kCols + kPtr] = address(tensors[i]);
   }
 }
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
@@ -47,13 +46,6 @@ ENV = "TORCHSTRATEGIES_AGREEMENT"
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the descriptor's bits
-
-
-class Waitable(Protocol):
-    """A collective in flight (``PendingAllReduce``): ``wait()`` returns its reduced tensors (the type of
-    ``WorkerAgreement``'s ``all_reduce_async``)."""
-
-    def wait(self) -> list[torch.Tensor]: ...
 
 
 def enabled() -> bool:
@@ -152,7 +144,8 @@ class RankAgreement:
     """Compares tensors across the ranks of one process group (MultiWorkerMirrored's).
 
     Args:
-        all_reduce: ``fn(op, tensors) -> reduced tensors`` over every rank (the strategy's process group).
+        all_reduce: ``fn(op, tensors) -> reduced tensors`` over every rank (the strategy's process group; it may
+            reduce the tensors it is given in place).
         rank, world: this rank and the group's size.
         device: where the collective's tensors live (the rank's device: NCCL reduces only GPU tensors).
     """
@@ -178,14 +171,12 @@ class RankAgreement:
         return self._split(most)
 
     def max_min_payload(self, payload: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """:meth:`max_min` of ``payload``, an int64 tensor already laid out as ``[v, -v]``
-        (``ops.agreement_hash_``'s): ONE MAX all-reduce, at once; None when every rank holds the same payload
-        (max == min everywhere: one tensor op, no Python per element)."""
-        (most,) = self._all_reduce(ReduceOp.MAX, [payload.to(self.device)])
-        half = most.numel() // 2
-        if not bool(most[:half].add(most[half:]).any()):   # max - min, in [0, 2**63): no overflow
-            return None
-        return self._split(most)
+        """:meth:`max_min` of ``payload``, an int64 tensor on the rank's device already laid out as ``[v, -v]``
+        (``ops.agreement_hash_``'s), which it reduces in place: ONE MAX all-reduce, at once; None when every
+        rank holds the same payload (max == min everywhere)."""
+        (most,) = self._all_reduce(ReduceOp.MAX, [payload.to(self.device)])   # (CPU: the same tensor)
+        hi, lo = self._split(most)
+        return None if hi == lo else (hi, lo)
 
     def differing(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """The indices of ``tensors`` whose copies differ between the ranks (every rank calls it with the

@@ -1,28 +1,27 @@
 """What each optimizer step checks of the ranks' agreement (MultiWorkerMirrored; the seam is ``agreement.py``).
 
-At every ``optimizer.step()`` a :class:`StepAgreement` compares, in ONE MAX all-reduce of
-``4 * len(tracked + forced)`` int64 numbers (flags, fingerprints and their negations):
+At every ``optimizer.step()``, before its update, a :class:`StepAgreement` compares, in ONE MAX all-reduce of
+``4 * len(tracked + forced)`` int64 numbers (flags, fingerprints and their negations, reduced in place):
 
 * every tracked tensor whose version counter moved, or whose storage was replaced (``p.data = x``), since the
-  last step (the optimizer's own writes are recorded after its step, :meth:`StepAgreement.record`): hashed
-  whole before the update, so a divergence there is named at the step where it happens. Which tensors moved
-  is part of the all-reduce (a flag per tensor): a tensor that moved on some ranks only is hashed whole on
-  every rank in a second all-reduce, taken only then (after the update: the values every rank still holds);
+  last step (what moved during an optimizer's step is its own write: recorded after it,
+  :meth:`StepAgreement.record`), hashed whole: a divergence there is named at the step where it happens.
+  Which tensors moved is part of the all-reduce (a flag per tensor): a tensor that moved on some ranks only
+  is hashed whole on every rank in a second all-reduce, taken only then;
 * the ``forced`` tensors (the parameters of an optimizer no strategy watches: a model and optimizer made
-  outside the scope), hashed whole before the update, at every step;
-* slice ``turn % slices`` of the rest, after the update (its bytes are still in cache: the update has just
-  written them): the tracked tensors' bytes laid end to end and cut into ``slices`` equal pieces, so every
-  byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost (a write torch does
-  not count, through ``.data`` or a kernel that bypasses the version counter, is named within ``slices``
-  steps). ``turn`` counts the steps of the optimizer that steps (the caller's), so two optimizers that
-  alternate each go through every piece of their own tensors.
+  outside the scope), hashed whole, at every step;
+* piece ``turn % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices``
+  equal pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost
+  (a write torch does not count, through ``.data`` or a kernel that bypasses the version counter, or an update
+  that came out differently on some rank, is named within ``slices`` steps). ``turn`` counts the steps of the
+  optimizer that steps (the caller's), so two optimizers that alternate each go through every piece of their
+  own tensors.
 
-:meth:`StepAgreement.start` (the step pre-hook) does the first part (one C++ call, ``ops.agreement_hash_``);
-:meth:`StepAgreement.finish` (the step post-hook) hashes the piece (a second call), runs the all-reduce and
-raises ``ReplicaDivergenceError`` if anything differs. The decision is made from the all-reduce's result,
-which every rank receives alike, so every rank raises the same error from the same ``optimizer.step()``
-(after its update) or none does. A check left pending by a step that raised before its post-hook is
-finished by the next :meth:`StepAgreement.start`.
+:meth:`StepAgreement.check` (the step pre-hook, where the ranks have just met in the gradients' all-reduce)
+does it all: one C++ call (``ops.agreement_hash_``), the all-reduce, and ``ReplicaDivergenceError`` if
+anything differs. The decision is made from the all-reduce's result, which every rank receives alike, so
+every rank raises the same error from the same ``optimizer.step()``, before its update (nothing of that step
+is applied), or none does.
 
 What depends only on the list of tensors (which of them moved since recorded: their version and address
 per position) lives in a :class:`StepTensors` per optimizer, kept while the list is the same list of the same
@@ -37,7 +36,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -60,14 +58,16 @@ RaiseFor = Callable[[int, str, int, str], None]
 class StepTensors:
     """What the check of one optimizer's steps compares, kept across its steps: ``tensors`` (tracked, then
     from ``forced_from`` on forced), per position the version and address it had when last recorded and
-    whether it moved this step (``state``, int64 (n, 3)), the all-reduce's ``payload``, and ``turn``, the
-    optimizer's steps so far (which piece of the rotating slice is next)."""
+    whether it moved this step (``state``, int64 (n, 3)), the ``payload`` (int64 6n, ``ops.agreement_hash_``'s:
+    its first 4n, ``wire``, are all-reduced in place; its last 2n stay this rank's flags and fingerprints),
+    and ``turn``, the optimizer's steps so far (which piece of the rotating slice is next)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.forced_from = 0
         self.state = torch.zeros(0, 3, dtype=torch.int64)
         self.payload = torch.zeros(0, dtype=torch.int64)
+        self.wire = self.payload
         self.turn = 0
 
     def use(self, tracked: Sequence[torch.Tensor], forced: Sequence[torch.Tensor]) -> None:
@@ -80,17 +80,8 @@ class StepTensors:
         n = len(self.tensors)
         self.state = torch.zeros(n, 3, dtype=torch.int64)
         self.state[:, 0] = -1   # no version is negative: every tensor of a new list counts as moved
-        self.payload = torch.zeros(4 * n, dtype=torch.int64)
-
-
-@dataclass
-class _Pending:
-    """A step's check in flight: what finishing it needs."""
-
-    lists: StepTensors
-    piece: int
-    when: str
-    raise_for: RaiseFor
+        self.payload = torch.zeros(6 * n, dtype=torch.int64)
+        self.wire = self.payload[:4 * n]
 
 
 class StepAgreement:
@@ -107,18 +98,16 @@ class StepAgreement:
         self.ranks = ranks
         self.slices = slices
         self.steps = 0
-        self._pending: _Pending | None = None
 
-    def record(self, lists: StepTensors, written: Sequence[torch.Tensor]) -> None:
-        """Remembers the ``written`` tensors of ``lists`` as they are now (after an optimizer's step: its own
-        writes are no news)."""
-        ops.agreement_record_(lists.tensors, written, lists.state)
+    def record(self, lists: StepTensors) -> None:
+        """Remembers every tensor of ``lists`` as it is now (after an optimizer's step: its own writes are no
+        news)."""
+        ops.agreement_record_(lists.tensors, lists.state)
 
-    def start(self, lists: StepTensors, raise_for: RaiseFor) -> None:
-        """Hashes what this step checks before the update of ``lists`` (the same list on every rank; its
-        ``turn`` picks the piece) and leaves the check pending for :meth:`finish` (after finishing a check
-        still pending)."""
-        self.finish()
+    def check(self, lists: StepTensors, raise_for: RaiseFor) -> None:
+        """Compares what this step checks of ``lists`` (the same list on every rank; its ``turn`` picks the
+        piece) across the ranks and raises ``ReplicaDivergenceError`` (on every rank, through ``raise_for``) for
+        the first tensor that differs."""
         if not self.slices:
             return
         self.steps += 1
@@ -126,27 +115,17 @@ class StepAgreement:
         lists.turn += 1
         if not lists.tensors:
             return
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, -1, self.slices)
-        self._pending = _Pending(lists, piece, f"optimizer step {self.steps}", raise_for)
-
-    def finish(self) -> None:
-        """Hashes the pending check's piece, compares it all across the ranks and raises
-        ``ReplicaDivergenceError`` (on every rank) for the first tensor that differs."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return
-        lists = p.lists
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, p.piece, self.slices)
-        differ = self.ranks.max_min_payload(lists.payload)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, self.slices)
+        differ = self.ranks.max_min_payload(lists.wire)
         if differ is None:
             return
         hi, lo = differ
         n = len(lists.tensors)
-        redo = [i for i in range(n) if hi[i] != lo[i]]   # moved on some ranks only: compare them whole, now
+        redo = [i for i in range(n) if hi[i] != lo[i]]   # moved on some ranks only: compare them whole
         bad = [i for i in range(n) if hi[i] == lo[i] and hi[n + i] != lo[n + i]]
         if not redo and not bad:
             return
-        mine = lists.payload.tolist()
+        mine = lists.payload[4 * n:].tolist()
         moved = lists.state[:, 2].tolist()
         reasons = {i: "unwatched" if i >= lists.forced_from else "moved" if moved[i] else "slice" for i in bad}
         found = [(i, mine[n + i]) for i in bad]
@@ -157,7 +136,7 @@ class StepAgreement:
             reasons.update((i, "moved") for i in redo)
         if found:
             i, fingerprint = min(found)
-            p.raise_for(i, reasons[i], fingerprint, p.when)
+            raise_for(i, reasons[i], fingerprint, f"optimizer step {self.steps}")
 
 
 def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int] | None]:

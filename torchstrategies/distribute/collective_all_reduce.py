@@ -121,6 +121,18 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Returns each tensor reduced over every worker (new tensors; MEAN divides by the world size)."""
         return self._all_reduce(op, tensors, options, async_op=False).wait()
 
+    def all_reduce_in_place(self, op: ReduceOp, tensors: Sequence[torch.Tensor]) -> None:
+        """Reduces each tensor over every worker in place, at once, one collective each on the strategy's group:
+        the lean path for a few numbers (the agreement check's payload), with no packing and no copy. SUM, MIN
+        or MAX (MEAN of integers has no in-place result)."""
+        if op is ReduceOp.MEAN:
+            raise ValueError("all_reduce_in_place reduces with SUM, MIN or MAX, got MEAN (use all_reduce_tensors)")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _DIST_OP[op]
+        opts.asyncOp = False   # waited for at once: our backend then runs it on the caller's thread
+        for t in tensors:
+            self.group.allreduce([t], opts).wait()
+
     def all_reduce_tensors_async(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor],
                                  options: CommunicationOptions | None = None) -> PendingAllReduce:
         """:meth:`all_reduce_tensors` started now (the inputs are copied: they may change at once); the handle's

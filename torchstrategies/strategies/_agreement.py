@@ -2,14 +2,15 @@
 hold equal, what to call it in an error, and what likely made it differ.
 
 At every ``optimizer.step()`` :meth:`WorkerAgreement.before_step` (the strategy's step pre-hook, after the
-gradients are reduced and the MEAN buffers averaged) starts the check of ``distribute/agreement_step.py``
-(what moved, and what is forced, hashed before the update) and :meth:`WorkerAgreement.after_step` (the step
-post-hook, after the update) finishes it (the rotating slice's piece, then the one all-reduce): the parameters and
-the buffers not declared MEAN of the modules made in the scope, and the parameters of the stepping optimizer
-(tracked); the parameters of an optimizer no strategy watches, whole (forced: a model and optimizer made
-outside the scope, trained apart on every rank). :meth:`WorkerAgreement.held` walks the modules once a step,
-for this check and for the MEAN buffers' averaging. :meth:`WorkerAgreement.check_all` compares every
-parameter (a checkpoint save, ``extended.check_divergence()``).
+gradients are reduced and the MEAN buffers averaged, before the update) runs the check of
+``distribute/agreement_step.py`` (what moved and what is forced, whole, and the rotating slice's piece: one
+C++ call and one all-reduce) and :meth:`WorkerAgreement.after_step` (the step post-hook) records the
+optimizer's own writes: over the parameters and the buffers not declared MEAN of the modules made in the
+scope, and the parameters of the stepping optimizer (tracked); the parameters of an optimizer no strategy
+watches, whole (forced: a model and optimizer made outside the scope, trained apart on every rank).
+:meth:`WorkerAgreement.held` walks the modules once a step, for this check and for the MEAN buffers'
+averaging. :meth:`WorkerAgreement.check_all` compares every parameter (a checkpoint save,
+``extended.check_divergence()``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
-from torchstrategies.distribute.agreement import RankAgreement, Waitable
+from torchstrategies.distribute.agreement import RankAgreement
 from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, StepAgreement, StepTensors
 from torchstrategies.distribute.buffers import is_mean_buffer
 from torchstrategies.reduce_op import ReduceOp
@@ -65,16 +66,15 @@ class WorkerAgreement:
     """The agreement of one MultiWorkerMirroredStrategy's ranks.
 
     Args:
-        all_reduce: the strategy's ``all_reduce_tensors(op, tensors)`` (its process group).
-        all_reduce_async: unused (the check's one all-reduce runs at once, in the step post-hook: on the
-            strategy's backend a started collective runs on the backend's thread, which costs a step more on a
-            busy CPU than running it in the caller's); kept so that callers' arguments stay valid.
+        all_reduce: ``fn(op, tensors) -> tensors`` reduced over the strategy's process group, at once, in place
+            (``extended.all_reduce_in_place``: the check's one all-reduce runs in the caller's thread; on the
+            strategy's backend a started collective would run on the backend's thread, which costs a step more
+            on a busy CPU).
         rank, world, device: this rank, the group's size, the rank's device.
         modules: the modules made in the scope (weak references, in creation order).
     """
 
-    def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]],
-                 all_reduce_async: Callable[[ReduceOp, list[torch.Tensor]], Waitable] | None, rank: int, world: int,
+    def __init__(self, all_reduce: Callable[[ReduceOp, list[torch.Tensor]], list[torch.Tensor]], rank: int, world: int,
                  device: torch.device, modules: list[weakref.ref[torch.nn.Module]]) -> None:
         self.ranks = RankAgreement(all_reduce, rank, world, device)
         slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
@@ -144,8 +144,9 @@ class WorkerAgreement:
 
     # --- the checks -----------------------------------------------------------------------------------------
     def before_step(self, optimizer: torch.optim.Optimizer, held: Held | None) -> None:
-        """The step pre-hook: starts the check of this step (``held``: what the step concerns, None when no
-        parameter of ``optimizer`` is the strategy's: its parameters are then compared whole)."""
+        """The step pre-hook: the check of this step, before its update; it raises, on every rank, if the ranks
+        differ (``held``: what the step concerns, None when no parameter of ``optimizer`` is the strategy's:
+        its parameters are then compared whole)."""
         if not self.step.slices:   # the check is off (TORCHSTRATEGIES_AGREEMENT=0): nothing to keep either
             self._stepping = None
             return
@@ -167,7 +168,7 @@ class WorkerAgreement:
             name = self._outside_name(optimizer, t) if outside else self.describe(t)[0]
             self.ranks.raise_for([(name, t)], when, lambda _: self.cause(t, reason), fingerprint)
 
-        self.step.start(lists, raise_for)
+        self.step.check(lists, raise_for)
 
     @staticmethod
     def _outside_name(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> str:
@@ -179,27 +180,20 @@ class WorkerAgreement:
         return f"a tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step post-hook: the optimizer's own writes are not news at the next step; then the check the
-        pre-hook started is finished (the piece of the rotating slice hashed, just written by the update, and
-        the one all-reduce): it raises, on every rank, if the ranks differ."""
+        """The step post-hook: the optimizer's own writes are not news at the next step."""
         if self._stepping is not None and self._stepping() is optimizer:
             lists = self._lists.get(optimizer)
             if lists is not None:
-                self.step.record(lists, [p for g in optimizer.param_groups for p in g["params"]])
+                self.step.record(lists)
         self._stepping = None
-        self.step.finish()
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The whole check of a step of ``optimizer``, finished now (before its update, the rotating slice's
-        piece too): the fault-tolerant mode's commit point, where the check belongs to the step's
-        transaction."""
+        """The check of a step of ``optimizer`` (the fault-tolerant mode's commit point, where the check
+        belongs to the step's transaction: :meth:`before_step` over what the step concerns)."""
         self.before_step(optimizer, self.held(optimizer))
-        self.step.finish()
 
     def check_all(self, when: str) -> None:
-        """Every parameter of the modules made in the scope, whole (every rank calls it; a step's check still
-        pending is finished first)."""
-        self.step.finish()
+        """Every parameter of the modules made in the scope, whole (every rank calls it)."""
         params = [t for _, _, t, _ in self._walk() if isinstance(t, torch.nn.Parameter)]
         bad = self.ranks.differing(params)
         if bad:

@@ -57,6 +57,12 @@ class WorkerCollectives(StrategyExtended):
         return self._guard(lambda: self._cross_device_ops.all_reduce_tensors(rop, tensors, options),
                            f"{rop.name} all-reduce")
 
+    def all_reduce_in_place(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (on the rank's device) reduced over every worker in place, at once, and returned: the
+        lean path of the agreement check's few int64 numbers (no packing or copy). Every worker calls it."""
+        self._guard(lambda: self._cross_device_ops.all_reduce_in_place(op, tensors), f"{op.name} all-reduce")
+        return tensors
+
     def all_reduce_tensors_async(self, op: ReduceOp | str, tensors: Sequence[torch.Tensor]) -> PendingAllReduce:
         """:meth:`all_reduce_tensors` started now; the handle's ``wait()`` returns the reduced tensors. Every
         worker starts it, and waits for it, in the same order."""

@@ -159,8 +159,8 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         ]).acquire(self))
         # The agreement seam's per-step check (strategies/_agreement.py): every rank the same schedule (debug
         # mode is checked to agree across ranks by the collectives).
-        self.agreement = WorkerAgreement(self.all_reduce_tensors, self.all_reduce_tensors_async, self._rank,
-                                         self._world, self._device, self._modules)
+        self.agreement = WorkerAgreement(self.all_reduce_in_place, self._rank, self._world, self._device,
+                                         self._modules)
         self._closed = False
         _LIVE.add(self)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
@@ -283,8 +283,8 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         optimizer none of whose parameters the strategy watches is plain torch beside the strategy (a per-rank
         model, stepped on some ranks only: left alone), unless the strategy watches nothing at all: then the
         model and optimizer were made outside the scope, every rank trains a model of its own, and its
-        parameters are compared across the ranks (issue 46, case 5). The post-hook finishes the check (the
-        rotating slice's piece, hashed after the update, and the one all-reduce)."""
+        parameters are compared across the ranks (issue 46, case 5). The check raises ReplicaDivergenceError on
+        every rank, before the update; the post-hook records the optimizer's own writes."""
         watched = self._synchronizers.before_step(optimizer)
         held = self.agreement.held(optimizer) if watched else None   # one walk of the modules a step
         if held is not None:
@@ -293,7 +293,7 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
             self.agreement.before_step(optimizer, held)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.agreement.after_step(optimizer)   # raises ReplicaDivergenceError on every rank, after the update
+        self.agreement.after_step(optimizer)   # the optimizer's own writes are no news at the next step
 
     def synchronizes_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a parameter (or buffer) this strategy adopted (broadcast, synchronized)."""

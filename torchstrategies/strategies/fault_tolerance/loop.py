@@ -162,7 +162,7 @@ class TransactionalLoop:
                 continue
             self.generation = gen
             self._agreement = None if gen.size == 1 else WorkerAgreement(
-                self._group_all_reduce, None, gen.index, gen.size, self._device, [weakref.ref(self.model)])
+                self._group_all_reduce, gen.index, gen.size, self._device, [weakref.ref(self.model)])
             self._membership.begin(gen, self.steps)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
