@@ -255,22 +255,24 @@ def hash_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return _ops.hash_tensors([t.detach() for t in items])
 
 
-def agreement_hash_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor, forced_from: int,
-                    piece: int, slices: int) -> None:
-    """The per-step agreement check's tensor work (``distribute/agreement_step.py``), before the optimizer's
-    update, into ``payload`` (int64, 6n: flags, fingerprints, their negations, and the flags and fingerprints
-    again, which the all-reduce of the first 4n leaves as this rank's): the tracked tensors (before
-    ``forced_from``) that moved since ``state`` recorded them (recorded now) and the forced ones (from
-    ``forced_from`` on), whole; the other tracked tensors' part of piece ``piece`` of ``slices`` (``0 <= piece
-    < slices``) of their bytes laid end to end. ``state``: int64 (n, 3) on the CPU, a version of -1 for a new
-    list. Called every step: no checks here beyond the kernel's."""
-    _ops.agreement_hash_(tensors, state, payload, forced_from, piece, slices)
+def agreement_hash_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor,
+                    forced_from: int) -> None:
+    """The per-step agreement check's tensor work before the optimizer's update (``distribute/agreement_step.py``):
+    the tracked tensors (before ``forced_from``) that moved since ``state`` recorded them (recorded now) and the
+    forced ones (from ``forced_from`` on), hashed whole; then the all-reduce's wire laid out in ``payload``
+    (int64, 9n: the wire ``[flags, whole, piece, -flags, -whole, -piece]``, then this rank's own
+    ``[flags, whole, piece]``; ``piece`` is what :func:`agreement_record_` left). ``state``: int64 (n, 3) on the
+    CPU, a version of -1 for a new list. Called every step: no checks here beyond the kernel's."""
+    _ops.agreement_hash_(tensors, state, payload, forced_from)
 
 
-def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor) -> None:
-    """Records in ``state`` every position of ``tensors`` as it is now (after an optimizer's step: what moved
-    during it is its own write)."""
-    _ops.agreement_record_(tensors, state)
+def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor, forced_from: int,
+                      piece: int, slices: int) -> None:
+    """After an optimizer's update: records in ``state`` every position of ``tensors`` as it is now (what moved
+    during the step is the optimizer's own write) and hashes piece ``piece`` of ``slices`` (``0 <= piece <
+    slices``) of the tracked tensors' bytes laid end to end into ``payload``'s own piece fingerprints (compared
+    at the next :func:`agreement_hash_`)."""
+    _ops.agreement_record_(tensors, state, payload, forced_from, piece, slices)
 
 
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
@@ -310,8 +312,8 @@ torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
 torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
 torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
-torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, slices: None)
-torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state: None)
+torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f: None)
+torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state, payload, f, piece, n: None)
 
 
 def _setup_ctx(ctx, inputs, output):

@@ -1,6 +1,6 @@
-// The per-step agreement check's work on its tensors, one call a step (torchstrategies/distribute/
-// agreement_step.py): which tensors moved since they were recorded, which bytes this step's piece of the
-// rotating slice holds, their fingerprints (the hash of csrc/core/hash.h mixed with the tensor's dtype, shape
+// The per-step agreement check's work on its tensors, one call before the optimizer's update and one after
+// it (torchstrategies/distribute/agreement_step.py): which tensors moved since they were recorded, which
+// bytes this step's piece of the rotating slice holds, their fingerprints (the hash of csrc/core/hash.h mixed with the tensor's dtype, shape
 // and the hashed range), written into the int64 payload of the check's one MAX all-reduce.
 //
 // Device-agnostic glue: the bookkeeping is host work on the tensors' metadata; the bytes are hashed by
@@ -79,18 +79,15 @@ void hash_items(std::vector<Item>& items, int64_t* slots) {
   }
 }
 
-void check_call(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload, int64_t forced_from,
-                int64_t piece, int64_t slices) {
-  const char* op = "agreement_hash_";
+void check_call(const char* op, at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
+                int64_t forced_from) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   check_state(op, tensors, state);
   TORCH_CHECK(payload.device().is_cpu() && payload.scalar_type() == at::kLong && payload.is_contiguous() &&
-                  payload.dim() == 1 && payload.size(0) == 6 * n,
-              op, ": payload must be a contiguous int64 CPU tensor of ", 6 * n, " elements, got ",
+                  payload.dim() == 1 && payload.size(0) == 9 * n,
+              op, ": payload must be a contiguous int64 CPU tensor of ", 9 * n, " elements, got ",
               payload.scalar_type(), " ", payload.sizes(), " on ", payload.device());
   TORCH_CHECK(0 <= forced_from && forced_from <= n, op, ": forced_from=", forced_from, " is not in [0, ", n, "]");
-  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, op, ": piece ", piece, " of ", slices,
-              " slices: expected slices >= 1 and 0 <= piece < slices");
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(tensors[i].layout() == at::kStrided, op, ": tensors[", i, "] has layout ", tensors[i].layout(),
                 "; only strided (dense) tensors are hashed");
@@ -99,69 +96,85 @@ void check_call(at::TensorList tensors, const at::Tensor& state, const at::Tenso
 
 }  // namespace
 
-// One call a step, before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved
-// (version or storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors
-// hashed whole into slots[i]; each other tracked tensor's part of piece `piece` of `slices` of the tracked
-// tensors' bytes laid end to end into slots[i] (a non-contiguous tensor whole, in the piece where it starts;
-// 0 for a tensor with no byte in the piece). Then payload = [flags, slots, -flags, -slots, flags, slots]: the
-// first 4n for the MAX all-reduce (reduced in place), the last 2n this rank's own values.
+// The payload (int64, 9n) of a list of n tensors: the wire [flags, whole, piece, -flags, -whole, -piece] (6n,
+// the MAX all-reduce's, reduced in place), then this rank's own [flags, whole, piece] (3n). `whole` holds the
+// fingerprints of the tensors hashed whole before the update, `piece` those of what the last update left in
+// this list's piece of the rotating slice (written by agreement_record_, compared at the next check).
+
+// Before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved (version or
+// storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors hashed whole
+// into whole[i] (0 for the others); then the wire laid out from this rank's values.
 void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
-                     int64_t forced_from, int64_t piece, int64_t slices) {
-  check_call(tensors, state, payload, forced_from, piece, slices);
+                     int64_t forced_from) {
+  check_call("agreement_hash_", tensors, state, payload, forced_from);
   const int64_t n = static_cast<int64_t>(tensors.size());
   int64_t* st = state.mutable_data_ptr<int64_t>();
-  int64_t* flags = payload.mutable_data_ptr<int64_t>();
-  int64_t* slots = flags + n;
+  int64_t* wire = payload.mutable_data_ptr<int64_t>();
+  int64_t* own = wire + 6 * n;
+  int64_t* flags = own;
+  int64_t* whole = own + n;
   std::vector<Item> items;
-  int64_t total = 0;
-  for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
-  const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
-  int64_t start = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = tensors[i];
     int64_t* row = st + i * kCols;
     row[kMoved] = 0;
-    slots[i] = 0;
-    if (i >= forced_from) {
-      items.push_back({i, t.detach(), 0, t.numel()});
-    } else {
+    whole[i] = 0;
+    if (i < forced_from) {
       const int64_t version = t._version(), ptr = address(t);
-      const int64_t e = static_cast<int64_t>(t.element_size());
-      const int64_t size = t.numel() * e, end = start + size;
       if (row[kVersion] != version || row[kPtr] != ptr) {
         row[kVersion] = version;
         row[kPtr] = ptr;
         row[kMoved] = 1;
-        items.push_back({i, t.detach(), 0, t.numel()});
-      } else if (end > lo && start < hi && size > 0) {
-        if (!t.is_contiguous()) {
-          if (lo <= start) items.push_back({i, t.detach(), 0, t.numel()});
-        } else {
-          const int64_t a = std::min(std::max(lo - start, int64_t{0}), size) / e;
-          const int64_t b = std::min(hi - start, size) / e;
-          if (b > a) items.push_back({i, t.detach().reshape(-1).slice(0, a, b), a, b});
-        }
       }
-      start = end;
     }
     flags[i] = row[kMoved];
+    if (i >= forced_from || row[kMoved]) items.push_back({i, t.detach(), 0, t.numel()});
   }
-  hash_items(items, slots);
-  for (int64_t j = 0; j < 2 * n; ++j) {
-    flags[2 * n + j] = -flags[j];
-    flags[4 * n + j] = flags[j];
+  hash_items(items, whole);
+  for (int64_t j = 0; j < 3 * n; ++j) {
+    wire[j] = own[j];
+    wire[3 * n + j] = -own[j];
   }
 }
 
-// After an optimizer's step: every position of `tensors` is recorded as it is now (what moved during the
-// optimizer's step is its own write: no news at the next step).
-void agreement_record_(at::TensorList tensors, const at::Tensor& state) {
-  check_state("agreement_record_", tensors, state);
+// After the optimizer's update: every position recorded as it is now (what moved during the optimizer's step
+// is its own write: no news at the next check), and piece `piece` of `slices` of the tracked tensors' bytes
+// laid end to end hashed into this rank's piece[i] (its bytes were just written by the update: in cache),
+// per tensor (a non-contiguous tensor whole, in the piece where it starts; 0 for a tensor with no byte in
+// the piece).
+void agreement_record_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
+                       int64_t forced_from, int64_t piece, int64_t slices) {
+  check_call("agreement_record_", tensors, state, payload, forced_from);
+  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, "agreement_record_: piece ", piece, " of ", slices,
+              " slices: expected slices >= 1 and 0 <= piece < slices");
+  const int64_t n = static_cast<int64_t>(tensors.size());
   int64_t* st = state.mutable_data_ptr<int64_t>();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    st[i * kCols + kVersion] = tensors[i]._version();
-    st[i * kCols + kPtr] = address(tensors[i]);
+  int64_t* pieces = payload.mutable_data_ptr<int64_t>() + 8 * n;
+  int64_t total = 0;
+  for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
+  const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
+  std::vector<Item> items;
+  int64_t start = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    st[i * kCols + kVersion] = t._version();
+    st[i * kCols + kPtr] = address(t);
+    pieces[i] = 0;
+    if (i >= forced_from) continue;
+    const int64_t e = static_cast<int64_t>(t.element_size());
+    const int64_t size = t.numel() * e, end = start + size;
+    if (end > lo && start < hi && size > 0) {
+      if (!t.is_contiguous()) {
+        if (lo <= start) items.push_back({i, t.detach(), 0, t.numel()});
+      } else {
+        const int64_t a = std::min(std::max(lo - start, int64_t{0}), size) / e;
+        const int64_t b = std::min(hi - start, size) / e;
+        if (b > a) items.push_back({i, t.detach().reshape(-1).slice(0, a, b), a, b});
+      }
+    }
+    start = end;
   }
+  hash_items(items, pieces);
 }
 
 TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {

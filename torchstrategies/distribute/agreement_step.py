@@ -1,27 +1,30 @@
 """What each optimizer step checks of the ranks' agreement (MultiWorkerMirrored; the seam is ``agreement.py``).
 
 At every ``optimizer.step()``, before its update, a :class:`StepAgreement` compares, in ONE MAX all-reduce of
-``4 * len(tracked + forced)`` int64 numbers (flags, fingerprints and their negations, reduced in place):
+``6 * len(tracked + forced)`` int64 numbers (flags, fingerprints and their negations, reduced in place):
 
 * every tracked tensor whose version counter moved, or whose storage was replaced (``p.data = x``), since the
-  last step (what moved during an optimizer's step is its own write: recorded after it,
-  :meth:`StepAgreement.record`), hashed whole: a divergence there is named at the step where it happens.
-  Which tensors moved is part of the all-reduce (a flag per tensor): a tensor that moved on some ranks only
-  is hashed whole on every rank in a second all-reduce, taken only then;
+  last step (what moved during an optimizer's step is its own write: recorded after it), hashed whole: a
+  divergence there is named at the step where it happens. Which tensors moved is part of the all-reduce (a
+  flag per tensor): a tensor that moved on some ranks only is hashed whole on every rank in a second
+  all-reduce, taken only then;
 * the ``forced`` tensors (the parameters of an optimizer no strategy watches: a model and optimizer made
   outside the scope), hashed whole, at every step;
-* piece ``turn % slices`` of the rest: the tracked tensors' bytes laid end to end and cut into ``slices``
-  equal pieces, so every byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost
-  (a write torch does not count, through ``.data`` or a kernel that bypasses the version counter, or an update
-  that came out differently on some rank, is named within ``slices`` steps). ``turn`` counts the steps of the
-  optimizer that steps (the caller's), so two optimizers that alternate each go through every piece of their
-  own tensors.
+* a piece of the rotating slice, hashed after the last update (by :meth:`StepAgreement.record`, the step
+  post-hook, while the update's writes are still in cache): the tracked tensors' bytes laid end to end and
+  cut into ``slices`` equal pieces, piece ``turn % slices`` at the optimizer's ``turn``-th update, so every
+  byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost. A write torch does
+  not count (through ``.data`` or a kernel that bypasses the version counter), or an update that came out
+  differently on some rank, is named within ``slices + 1`` steps of the step it happened in (``turn``
+  counts the updates of the optimizer that steps, so two optimizers that alternate each go through every
+  piece of their own tensors).
 
 :meth:`StepAgreement.check` (the step pre-hook, where the ranks have just met in the gradients' all-reduce)
-does it all: one C++ call (``ops.agreement_hash_``), the all-reduce, and ``ReplicaDivergenceError`` if
-anything differs. The decision is made from the all-reduce's result, which every rank receives alike, so
-every rank raises the same error from the same ``optimizer.step()``, before its update (nothing of that step
-is applied), or none does.
+hashes what moved (``ops.agreement_hash_``), runs the all-reduce and raises ``ReplicaDivergenceError`` if
+anything differs; :meth:`StepAgreement.record` (the post-hook) records the update's writes and hashes the
+piece (``ops.agreement_record_``). The decision is made from the all-reduce's result, which every rank
+receives alike, so every rank raises the same error from the same ``optimizer.step()``, before its update
+(nothing of that step is applied), or none does.
 
 What depends only on the list of tensors (which of them moved since recorded: their version and address
 per position) lives in a :class:`StepTensors` per optimizer, kept while the list is the same list of the same
@@ -44,12 +47,13 @@ from torchstrategies.distribute.agreement import RankAgreement, fingerprint_list
 
 __all__ = ["StepAgreement", "StepTensors", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
-# How many steps the rotating slice takes to cover every tracked byte: the bound, in steps, on naming a
-# write torch does not count (version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES
-# of the model, the larger part of what the check costs a step, so the default is the largest value the
-# promise allows (issue 46: any divergence named within 10 steps). What the check costs at this value is
-# measured in docs/strategies.md (Agreement).
-AGREEMENT_SLICES = 10
+# How many steps the rotating slice takes to cover every tracked byte: a write torch does not count is named
+# within AGREEMENT_SLICES + 1 steps (the piece that holds it is hashed after an update and compared before the
+# next; version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES of the model, the
+# larger part of what the check costs a step, so the default is the largest value the promise allows (issue
+# 46: any divergence named within 10 steps). What the check costs at this value is measured in
+# docs/strategies.md (Agreement).
+AGREEMENT_SLICES = 9
 
 # raise_for(index into tensors, reason, the fingerprint this rank compared, when): raises the error.
 RaiseFor = Callable[[int, str, int, str], None]
@@ -58,9 +62,9 @@ RaiseFor = Callable[[int, str, int, str], None]
 class StepTensors:
     """What the check of one optimizer's steps compares, kept across its steps: ``tensors`` (tracked, then
     from ``forced_from`` on forced), per position the version and address it had when last recorded and
-    whether it moved this step (``state``, int64 (n, 3)), the ``payload`` (int64 6n, ``ops.agreement_hash_``'s:
-    its first 4n, ``wire``, are all-reduced in place; its last 2n stay this rank's flags and fingerprints),
-    and ``turn``, the optimizer's steps so far (which piece of the rotating slice is next)."""
+    whether it moved this step (``state``, int64 (n, 3)), the ``payload`` (int64 9n, ``ops.agreement_hash_``'s:
+    its first 6n, ``wire``, are all-reduced in place; its last 3n stay this rank's flags and fingerprints),
+    and ``turn``, the optimizer's updates so far (which piece of the rotating slice is next)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -80,8 +84,8 @@ class StepTensors:
         n = len(self.tensors)
         self.state = torch.zeros(n, 3, dtype=torch.int64)
         self.state[:, 0] = -1   # no version is negative: every tensor of a new list counts as moved
-        self.payload = torch.zeros(6 * n, dtype=torch.int64)
-        self.wire = self.payload[:4 * n]
+        self.payload = torch.zeros(9 * n, dtype=torch.int64)   # no piece yet: zeros on every rank
+        self.wire = self.payload[:6 * n]
 
 
 class StepAgreement:
@@ -100,43 +104,45 @@ class StepAgreement:
         self.steps = 0
 
     def record(self, lists: StepTensors) -> None:
-        """Remembers every tensor of ``lists`` as it is now (after an optimizer's step: its own writes are no
-        news)."""
-        ops.agreement_record_(lists.tensors, lists.state)
+        """After an optimizer's update of ``lists``: remembers every tensor as it is now (its own writes are no
+        news) and hashes the update's piece of the rotating slice, compared at the next :meth:`check`."""
+        if not self.slices or not lists.tensors:
+            return
+        piece = lists.turn % self.slices
+        lists.turn += 1
+        ops.agreement_record_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, self.slices)
 
     def check(self, lists: StepTensors, raise_for: RaiseFor) -> None:
-        """Compares what this step checks of ``lists`` (the same list on every rank; its ``turn`` picks the
-        piece) across the ranks and raises ``ReplicaDivergenceError`` (on every rank, through ``raise_for``) for
-        the first tensor that differs."""
+        """Compares what this step checks of ``lists`` (the same list on every rank) across the ranks and raises
+        ``ReplicaDivergenceError`` (on every rank, through ``raise_for``) for the first tensor that differs."""
         if not self.slices:
             return
         self.steps += 1
-        piece = lists.turn % self.slices
-        lists.turn += 1
         if not lists.tensors:
             return
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, self.slices)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from)
         differ = self.ranks.max_min_payload(lists.wire)
         if differ is None:
             return
         hi, lo = differ
         n = len(lists.tensors)
         redo = [i for i in range(n) if hi[i] != lo[i]]   # moved on some ranks only: compare them whole
-        bad = [i for i in range(n) if hi[i] == lo[i] and hi[n + i] != lo[n + i]]
-        if not redo and not bad:
-            return
-        mine = lists.payload[4 * n:].tolist()
-        moved = lists.state[:, 2].tolist()
-        reasons = {i: "unwatched" if i >= lists.forced_from else "moved" if moved[i] else "slice" for i in bad}
-        found = [(i, mine[n + i]) for i in bad]
+        mine = lists.payload[6 * n:].tolist()
+        found: list[tuple[int, int, str]] = []   # (index, this rank's fingerprint, reason)
+        for i in range(n):
+            if hi[i] != lo[i]:
+                continue
+            if hi[n + i] != lo[n + i]:
+                found.append((i, mine[n + i], "unwatched" if i >= lists.forced_from else "moved"))
+            elif hi[2 * n + i] != lo[2 * n + i]:
+                found.append((i, mine[2 * n + i], "slice"))
         if redo:
             whole = fingerprint_list([lists.tensors[i].detach() for i in redo])
             most, least = self.ranks.max_min(whole)
-            found += [(i, f) for i, f, a, b in zip(redo, whole, most, least) if a != b]
-            reasons.update((i, "moved") for i in redo)
+            found += [(i, f, "moved") for i, f, a, b in zip(redo, whole, most, least) if a != b]
         if found:
-            i, fingerprint = min(found)
-            raise_for(i, reasons[i], fingerprint, f"optimizer step {self.steps}")
+            i, fingerprint, reason = min(found)
+            raise_for(i, reason, fingerprint, f"optimizer step {self.steps}")
 
 
 def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int] | None]:

@@ -128,7 +128,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         if op is ReduceOp.MEAN:
             raise ValueError("all_reduce_in_place reduces with SUM, MIN or MAX, got MEAN (use all_reduce_tensors)")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _DIST_OP[op]
+        opts.reduceOp = dist.ReduceOp(_DIST_OP[op])
         opts.asyncOp = False   # waited for at once: our backend then runs it on the caller's thread
         for t in tensors:
             self.group.allreduce([t], opts).wait()
