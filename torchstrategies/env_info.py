@@ -163,6 +163,7 @@ def _modules() -> dict[str, bool]:
         "torchstrategies.bench.train_ps",
         "torchstrategies.bench.train_inproc",
         "torchstrategies.bench.fault_tolerance",
+        "torchstrategies.bench.agreement_cost",
     )
     return {n: importlib.util.find_spec(n) is not None for n in names}
 

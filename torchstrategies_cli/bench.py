@@ -1,6 +1,6 @@
-"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc | ft-recovery``: the options and help
-of each benchmark command. Each runs ``torchstrategies.cli.bench_cmds.<command>`` (imported when it runs),
-which calls ``torchstrategies.bench.<name>.run(...)`` and reports its result."""
+"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc | ft-recovery | agreement``: the
+options and help of each benchmark command. Each runs ``torchstrategies.cli.bench_cmds.<command>`` (imported
+when it runs), which calls ``torchstrategies.bench.<name>.run(...)`` and reports its result."""
 
 from __future__ import annotations
 
@@ -172,3 +172,14 @@ def inproc() -> None:
 def ft_recovery() -> None:
     """Time lost per worker failure: the fault-tolerant mode (survivors go on, the worker heals from a peer)
     against torchrun --max-restarts resuming from the last checkpoint, in one run."""
+
+
+@bench.command("agreement", cls=ImplCommand, target=IMPL + "agreement")
+@nproc_option("Ranks to launch.", 2, 2)
+@count_option("--blocks", "blocks", "Pairs of blocks, one with the check and one without (default 40).")
+@count_option("--steps", "steps", "Timed steps per block (default 25).")
+@count_option("--batch-size", "batch_size", "Batch per rank (default 64).")
+@output_options
+def agreement() -> None:
+    """What MultiWorkerMirrored's per-step agreement check costs a step on the benchmark MLP: blocks of steps
+    with the check and without it alternated in one job (paired), and the check's own time in the step hooks."""

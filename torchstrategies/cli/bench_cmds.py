@@ -1,5 +1,5 @@
-"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc | ft-recovery``: the one way to run a
-benchmark. Their options and help are declared in ``torchstrategies_cli.bench`` (no torch); the functions
+"""``torchstrategies bench kernels | allreduce | train | train-ps | inproc | ft-recovery | agreement``: the one
+way to run a benchmark. Their options and help are declared in ``torchstrategies_cli.bench`` (no torch); the functions
 here run them, called with every option the parser declares.
 
 Each imports ``torchstrategies.bench.<name>`` when it runs, calls its ``run(...)`` with the
@@ -23,7 +23,7 @@ from torchstrategies.cli._common import NotAvailable, call_with_supported, emit_
 if TYPE_CHECKING:
     from torchstrategies.bench.report import BenchResult
 
-__all__ = ["run_bench", "kernels", "allreduce", "train", "train_ps", "inproc", "ft_recovery"]
+__all__ = ["run_bench", "kernels", "allreduce", "train", "train_ps", "inproc", "ft_recovery", "agreement"]
 
 # CLI option -> the parameter names a bench module's run() may take it as, first preferred, where they differ
 # from the option's own name (repeats: kernels' "repeats", the others' interleaved "rounds").
@@ -43,6 +43,7 @@ BENCH_MODULES = {
     "train-ps": "torchstrategies.bench.train_ps",
     "inproc": "torchstrategies.bench.train_inproc",
     "ft-recovery": "torchstrategies.bench.fault_tolerance",
+    "agreement": "torchstrategies.bench.agreement_cost",
 }
 
 
@@ -164,3 +165,10 @@ def ft_recovery(ctx: click.Context, nproc, steps, kill_at, checkpoint_every, bat
     opts = {"nproc": nproc, "steps": steps, "kill_at": kill_at, "checkpoint_every": checkpoint_every,
             "batch_size": batch_size, "progress": progress}
     _run_and_emit(ctx, "ft-recovery", opts, (json_path, plot_path, markdown), always={"nproc"})
+
+
+def agreement(ctx: click.Context, nproc, blocks, steps, batch_size, progress, markdown, json_path, plot_path
+              ) -> None:
+    """``bench agreement``."""
+    opts = {"nproc": nproc, "blocks": blocks, "steps": steps, "batch_size": batch_size, "progress": progress}
+    _run_and_emit(ctx, "agreement", opts, (json_path, plot_path, markdown), always={"nproc"})
