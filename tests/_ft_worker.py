@@ -5,9 +5,10 @@ Environment: FT_OUT (folder for the result), FT_STEPS, FT_CLIP (clip_grad_norm_'
 FT_REDUCE (step_fn returns the global loss, strategy.reduce before backward),
 FT_WAIT_FULL (after FT_STEPS, go on until the generation has this many members again), FT_TIMEOUT,
 FT_MIN_WORKERS, FT_FAULTS (a JSON list of
-{"slot", "restart", "at_least_step", "phase", "action": "kill" | "stop", optional "once": a file name that
-only the first worker to get there creates}: this incarnation kills or stops itself at the first phase
-that matches). Writes <FT_OUT>/<slot>.<pid>.json at the end.
+{"slot", "restart", "at_least_step", "phase", "action": "kill" | "stop" | "fail", optional "once": a file
+name that only the first worker to get there creates}: this incarnation kills or stops itself at the first
+phase that matches, or ("fail") raises CollectiveFailed there: at "commit", its step's collectives completed
+on every member but count as failed on it alone). Writes <FT_OUT>/<slot>.<pid>.json at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 import torchstrategies as ts
 from torchstrategies.errors import MembershipBelowMinimumError, ReplicaDivergenceError
+from torchstrategies.strategies.fault_tolerance.group import CollectiveFailed
 
 GLOBAL_BATCH = 12
 SAMPLES = 96
@@ -116,6 +118,8 @@ def main() -> int:
                         os.close(os.open(os.path.join(os.environ["FT_OUT"], f["once"]), os.O_CREAT | os.O_EXCL))
                     except FileExistsError:
                         return
+                if f["action"] == "fail":
+                    raise CollectiveFailed(f"injected at {name} of step {loop.steps}")
                 os.kill(os.getpid(), signal.SIGKILL if f["action"] == "kill" else signal.SIGSTOP)
 
     loop.phase_hook = phase

@@ -1,6 +1,7 @@
 """The fault-tolerant mode's pieces in one process: the state header (typed, nothing unpickled), the global
-batches (the order MultiWorkerMirrored reads, any split), the options, the commit's one decision, and a
-one-worker job's training equal to plain torch."""
+batches (the order MultiWorkerMirrored reads, any split), the options, the joiners the heartbeat counts, a
+group torn down by a member that leaves mid-step (its peer fails at once), and a one-worker job's training
+equal to plain torch."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import torch
 import torch.distributed as dist
 
 import torchstrategies as ts
+from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.errors import MembershipBelowMinimumError
+from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies._mw_input import WorkerBatchSampler
-from torchstrategies.strategies.fault_tolerance.membership import Membership
+from torchstrategies.strategies.fault_tolerance.group import CollectiveFailed, Group
+from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership
 from torchstrategies.strategies.fault_tolerance.snapshot import StepSnapshot
 from torchstrategies.strategies.fault_tolerance.state_transfer import decode, encode
 
@@ -76,30 +80,6 @@ def store_address():
     del host
 
 
-@pytest.mark.timeout(60)
-def test_the_commit_has_one_decision_even_when_a_late_member_counts_itself_after_an_abort(store_address):
-    opts = ts.FaultTolerance(store=store_address, world_size=2, timeout_seconds=1.0)
-    a, b = Membership(opts), Membership(opts)
-    try:
-        gens = {}
-        threads = [threading.Thread(target=lambda m=m: gens.__setitem__(m.me, m.form(1, None, -1))) for m in (a, b)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        ga, gb = gens[a.me], gens[b.me]
-        assert ga.members == gb.members and {ga.index, gb.index} == {0, 1}
-        a.begin(ga, 0)
-        b.begin(gb, 0)
-        assert a.commit(ga, 0, False) == (False, 0)       # a's all-reduce failed: abort
-        assert b.commit(gb, 0, True) == (False, 0)        # b completed it, and counts itself: still abort
-        a.end()
-        b.end()
-    finally:
-        a.close()
-        b.close()
-
-
 def _formed(members: list[Membership]) -> list:
     """Generation 1 of ``members``, formed together (each member's view, in ``members``' order)."""
     gens: dict[str, object] = {}
@@ -109,47 +89,71 @@ def _formed(members: list[Membership]) -> list:
     for t in threads:
         t.join()
     for m in members:
-        m.begin(gens[m.me], 0)
+        m.begin(gens[m.me])
     return [gens[m.me] for m in members]
 
 
-def _commit_together(members: list[Membership], gens: list, step: int, oks: list[bool]) -> list[tuple[bool, int]]:
-    out: list = [None] * len(members)
-
-    def one(i: int) -> None:
-        out[i] = members[i].commit(gens[i], step, oks[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(members))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-@pytest.mark.timeout(60)  # a waiter that the abort did not wake would wait timeout_seconds=600 and fail here
-def test_the_commit_is_one_decision_an_abort_wakes_the_waiters_and_read_decisions_are_deleted(store_address):
-    opts = ts.FaultTolerance(store=store_address, world_size=3, timeout_seconds=600.0, heartbeat_seconds=0.05,
+@pytest.mark.timeout(60)
+def test_the_heartbeat_counts_the_registrations_for_the_next_generation_as_joiners(store_address):
+    opts = ts.FaultTolerance(store=store_address, world_size=2, timeout_seconds=5.0, heartbeat_seconds=0.05,
                              dead_after_seconds=0.5)
-    members = [Membership(opts) for _ in range(3)]
+    members = [Membership(opts) for _ in range(2)]
     try:
         gens = _formed(members)
-        members[0]._beat_store.add("g2/n", 1)  # a worker registered for the next generation: one joiner
-        # Each member's own view of the joiners may lag; the decision carries one count, read by all.
-        for step in range(3):
-            got = _commit_together(members, gens, step, [True, True, True])
-            assert all(g[0] for g in got) and len({g[1] for g in got}) == 1, got
-        store = members[0].store
-        while store.check(["g1/s0/d"]) or store.check(["g1/s1/d"]):
-            threading.Event().wait(0.05)  # the heartbeat thread deletes the decisions every member has read
-        assert store.check(["g1/s2/d"])  # the last decision stays until the next step is committed
-        # Step 3: member 1's collective failed: the others, waiting for the decision, read its "abort" at once
-        # instead of after the timeout.
-        assert _commit_together(members, gens, 3, [True, False, True]) == [(False, 0)] * 3
+        assert gens[0].members == gens[1].members and {g.index for g in gens} == {0, 1}
+        threading.Event().wait(0.3)
+        assert [m.joiners(g) for m, g in zip(members, gens)] == [0, 0]
+        members[0].store.add("g2/n", 1)  # a worker registered for generation 2
+        while [m.joiners(g) for m, g in zip(members, gens)] != [1, 1]:
+            threading.Event().wait(0.05)  # each member's heartbeat thread sees it
+        members[0].end()
+        later = Generation(2, gens[0].members, gens[0].steps, 0)
+        assert members[1].joiners(later) == 0  # a count belongs to the generation it was taken in
     finally:
         for m in members:
             m.end()
             m.close()
+
+
+@pytest.mark.timeout(60)  # the groups' timeout is 600 s: a peer that waited for it would fail here
+@pytest.mark.parametrize("implementation", ["GLOO", "AUTO"])
+def test_a_member_that_closes_its_group_with_abort_fails_its_peer_s_collective_at_once(store_address,
+                                                                                       implementation):
+    # Member 1 discards its step and leaves while member 0 waits in the next all-reduce: member 0 fails at
+    # once (gloo: the connections close with the group; our backend: Backend::abort marks the segment).
+    host, port = store_address.split(":")
+    stores = [dist.TCPStore(host, int(port), is_master=False) for _ in range(2)]  # one connection per member
+    impl = CommunicationImplementation[implementation]
+    groups: list = [None, None]
+    sums = [torch.ones(3), torch.ones(3)]
+
+    def make_and_reduce(i: int) -> None:  # made together, then a collective that completes on both
+        groups[i] = Group(stores[i], Generation(1, ("a", "b"), (0, 0), i), 600.0, impl)
+        groups[i].all_reduce(ReduceOp.SUM, [sums[i]])
+
+    threads = [threading.Thread(target=make_and_reduce, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(x, torch.full((3,), 2.0)) for x in sums)
+    errors: list = []
+
+    def waiting() -> None:
+        try:
+            groups[0].all_reduce(ReduceOp.SUM, [torch.ones(3)])
+        except CollectiveFailed as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    threading.Event().wait(0.3)  # member 0 is waiting for member 1
+    groups[1].close(abort=True)
+    t.join()
+    assert len(errors) == 1, errors
+    with pytest.raises(CollectiveFailed, match="generation 1 was closed"):
+        groups[1].all_reduce(ReduceOp.SUM, [torch.ones(3)])
+    groups[0].close(abort=True)
 
 
 @pytest.mark.timeout(60)

@@ -26,6 +26,7 @@ const char* kind_name(int32_t kind) {
     case kReduceScatter: return "reduce_scatter";
     case kBarrier: return "barrier";
     case kBuffer: return "buffer";
+    case kAbort: return "abort";
     case kAllToAll: return "all_to_all";
     case kGather: return "gather";
     case kScatter: return "scatter";

@@ -23,6 +23,7 @@ enum CallKind : int32_t {
   kReduceScatter = 4,
   kBarrier = 5,
   kBuffer = 6,  // collectives.buffer(): every rank maps the group's shared buffer
+  kAbort = 7,   // Backend::abort(): not a collective (nothing is exchanged); named in its profiler span
   kAllToAll = 10,
   kGather = 11,
   kScatter = 12,

@@ -318,6 +318,7 @@ void Comm::wait_all(uint64_t target, double timeout_s, const char* what) {
       const auto cause = static_cast<CommError::Kind>(hdr_->abort_kind.load(std::memory_order_relaxed));
       const char* why = cause == CommError::kTimeout ? "a peer did not arrive in time"
                         : cause == CommError::kPeerDead ? "a peer is gone"
+                        : cause == CommError::kAborted  ? "it left the group"
                                                         : "an earlier failure";
       throw CommError(CommError::kAborted,
                       std::string(what) + ": rank " + std::to_string(ab - 1) +

@@ -223,6 +223,15 @@ void Transport::barrier(double timeout_s) {
   check(d, timeout_s);
 }
 
+void Transport::abort() {
+  if (broken_.empty()) {
+    broken_ = "this rank aborted the group";
+    broken_kind_ = Fault::kUnavailable;
+  }
+  if (local_) local_->abort(shm::CommError::kAborted);
+  if (ring_) ring_->close();
+}
+
 void Transport::check(const CallDesc& d, double timeout_s) {
   begin(d);
   const char* what = kind_name(d.kind);

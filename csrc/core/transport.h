@@ -111,6 +111,9 @@ class Transport {
   void reduce_scatter(const char* in, char* out, int64_t count, DType dtype, int op, const CallDesc& d,
                       double timeout_s);
   void barrier(double timeout_s);
+  // This rank leaves the group for good: its later calls raise kUnavailable, and every peer waiting in or
+  // entering a collective fails at once (the shared-memory group's abort flag; the ring's sockets close).
+  void abort();
   // Agreement on a descriptor only (what the backend runs before a collective it hands to gloo).
   void check(const CallDesc& d, double timeout_s);
   // Shared memory mapped by every rank of this host, for zero-copy all-reduces (collective over the group);

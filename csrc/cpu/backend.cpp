@@ -80,6 +80,7 @@ const char* span_name(int32_t kind) {
     case core::kReduceScatter: return "torchstrategies:reduce_scatter";
     case core::kBarrier: return "torchstrategies:barrier";
     case core::kBuffer: return "torchstrategies:buffer";
+    case core::kAbort: return "torchstrategies:abort";
     case core::kAllToAll: return "torchstrategies:all_to_all";
     case core::kGather: return "torchstrategies:gather";
     case core::kScatter: return "torchstrategies:scatter";
@@ -574,6 +575,14 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   return submit(OpType::BARRIER, describe_call(core::kBarrier, {}), {}, opts.timeout, !opts.asyncOp,
                 [this](std::chrono::milliseconds t, const auto&) { transport_->barrier(core_seconds(t)); });
+}
+
+void Backend::abort() {
+  core::CallDesc d;
+  d.kind = core::kAbort;
+  submit(OpType::UNKNOWN, d, {}, std::chrono::milliseconds(-1), true,
+         [this](std::chrono::milliseconds, const auto&) { transport_->abort(); })
+      ->wait();
 }
 
 at::Tensor Backend::buffer(int64_t numel, at::ScalarType dtype) {

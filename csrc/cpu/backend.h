@@ -123,6 +123,13 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
+  // Tears the group down for every rank (c10d's ProcessGroup.abort()): this rank's later calls raise at once,
+  // and a peer waiting in, or entering, a collective of the group fails at once instead of after the timeout
+  // (shared memory: the segment's abort flag; the ring: the sockets close). It runs in this rank's order of
+  // calls, after those queued before it (each ends by its timeout). Calls handed to gloo are not aborted:
+  // gloo's connections close when the group is destroyed.
+  void abort() override;
+
   // For torchstrategies.collectives: the plan in words, and a zero-copy shared-memory buffer.
   std::string plan_name() const { return core::plan_name(transport_->plan()); }
   int num_hosts() const { return transport_->num_hosts(); }

@@ -12,16 +12,26 @@ One :meth:`TransactionalLoop.step` (``step_fn(batch)``: forward, ``loss.backward
    with no ``.grad``; each gradient backward makes is copied by its parameter's hook into one flat buffer per
    dtype (``.grad`` becomes a view into it), as MultiWorkerMirrored's synchronizer does.
 3. **The commit point is the end of ``loss.backward()``** (a callback the first gradient hook queues in the
-   autograd engine, as DDP's reducer does): there the gradients, one "had a gradient" flag per parameter and
-   the MEAN buffers weighted by this member's share of the rows are summed over the group in ONE all-reduce
-   per dtype, the per-step agreement check runs (the MultiWorkerMirrored one, ``strategies/_agreement.py``,
-   over the generation's group), and the step's one decision is taken (``Membership.commit``).
-   Committed: ``.grad`` holds the global gradient and the buffers their global value when ``backward()``
-   returns; what ``step_fn`` does next (clipping, the optimizer, the scheduler, a GradScaler) runs as under
-   MultiWorkerMirrored and the step counts once. Discarded (a collective failed on some member, or before
-   the commit point: a collective ``step_fn`` asked for failed): an internal exception unwinds ``step_fn``
-   out of ``backward()`` before anything was applied; the buffers and random states are restored, the worker
-   forms the next generation and calls ``step_fn`` again on the same global batch split among the survivors.
+   autograd engine, as DDP's reducer does): there the gradients, one "had a gradient" flag per parameter,
+   the joiners this member saw and the MEAN buffers weighted by this member's share of the rows are summed
+   over the group in ONE all-reduce per dtype, and the per-step agreement check runs (the MultiWorkerMirrored
+   one, ``strategies/_agreement.py``, over the generation's group). **A member applies the step when every
+   collective of it completed on that member**: no store round trip, no vote. Applied: ``.grad`` holds the
+   global gradient and the buffers their global value when ``backward()`` returns; what ``step_fn`` does next
+   (clipping, the optimizer, the scheduler, a GradScaler) runs as under MultiWorkerMirrored and the step
+   counts once; if the summed joiners are not zero, every member leaves the group after the step (they all
+   read the same sum). Discarded (a collective of the step failed on this member, or before the commit
+   point: a collective ``step_fn`` asked for failed): an internal exception unwinds ``step_fn`` out of
+   ``backward()`` before anything was applied; the buffers and random states are restored, the member tears
+   the group down (its peers' collectives over it fail at once: ``group.py``), forms the next generation and
+   calls ``step_fn`` again on the same global batch split among the survivors.
+
+A collective can complete on some members and fail on others (a member lost after it sent its last part):
+those members apply the step, fail their next one (the group is torn down) and register for the next
+generation with one step more than the others; the generation copies the state of a member with the most
+steps to the others (``_heal``). A step one member applied was an all-reduce over every member of the
+generation, so applied on some members and discarded on others, it ends applied once on every member of the
+next generation: nothing is applied twice or lost (``membership.py``).
 
 After the commit point a collective cannot be part of the step (a lost member would leave some members with
 its result and others without): ``strategy.reduce`` there raises ``CollectiveAfterCommitError`` on every
@@ -57,8 +67,6 @@ from torchstrategies.strategies.fault_tolerance.group import (
     CollectiveFailed,
     Flat,
     Group,
-    all_reduce,
-    make_group,
 )
 from torchstrategies.strategies.fault_tolerance.membership import Generation, Membership, Refused
 from torchstrategies.strategies.fault_tolerance.snapshot import StepSnapshot
@@ -70,7 +78,7 @@ log = logging.getLogger("torchstrategies.multi_worker")
 
 
 class StepAborted(BaseException):
-    """The step in flight was discarded (a collective failed on some member before the commit point).
+    """The step in flight was discarded on this member (one of its collectives failed).
 
     Internal: raised inside ``step_fn`` (out of ``loss.backward()`` or a collective) to unwind it before
     anything is applied; :meth:`TransactionalLoop.step` catches it and redoes the step. A ``BaseException``,
@@ -96,8 +104,10 @@ class TransactionalLoop:
         generation: the current generation (None between generations).
         aborted, refused, healed_at: steps discarded here, times this worker was refused, and the ``steps``
             at which it received the live state (None: it never did).
-        phase_hook: called with the phase name ("forward", "all_reduce", "commit", "apply", "heal_send"
-            (the heal's source), "heal" (the others), "heal_header"); for fault-injection tests.
+        phase_hook: called with the phase name ("forward", "all_reduce", "commit" (every collective of
+            the step completed on this member; a ``CollectiveFailed`` raised there counts as one that failed
+            on it alone), "apply", "heal_send" (the heal's source), "heal" (the others), "heal_header");
+            for fault-injection tests.
     """
 
     def __init__(self, membership: Membership, min_workers: int, timeout: float,
@@ -121,8 +131,7 @@ class TransactionalLoop:
         self._snapshot = StepSnapshot(model, device)
         self._hooks: list[Any] = []
         self._phase_of_step = _Phase.IDLE
-        self._decided = False        # this member took part in the step's decision
-        self._joiners = 0            # registrations waiting for the next generation (the decision's count)
+        self._joiners = 0            # registrations for the next generation, summed over the members
         self._share = 0.0            # this member's rows / the global batch's
         self._stepped = False        # the optimizer stepped in this step
         self._agreement: WorkerAgreement | None = None
@@ -152,18 +161,18 @@ class TransactionalLoop:
                     f"fault-tolerant MultiWorkerMirrored: generation {gen.number} has {gen.size} live worker(s) "
                     f"{list(gen.members)}, below FaultTolerance.min_workers={self._min}; the job stops")
             try:
-                self.group = make_group(self._membership.store, gen, self._timeout, self._implementation)
+                self.group = Group(self._membership.store, gen, self._timeout, self._implementation)
                 self._heal(gen)
-            except (UnavailableError, CancelledError):
-                raise
-            except RuntimeError as exc:  # a member was lost while forming: the next generation
+            except (CollectiveFailed, RuntimeError) as exc:
+                self._close_group(abort=True)
+                if isinstance(exc, (UnavailableError, CancelledError)):
+                    raise
                 log.warning("generation %d could not start (%s); forming the next", gen.number, exc)
-                self.group = None
-                continue
+                continue  # a member was lost while forming: the next generation
             self.generation = gen
             self._agreement = None if gen.size == 1 else WorkerAgreement(
                 self._group_all_reduce, gen.index, gen.size, self._device, [weakref.ref(self.model)])
-            self._membership.begin(gen, self.steps)
+            self._membership.begin(gen)
             log.info("generation %d: %d member(s), this worker is %d, at step %d", gen.number, gen.size,
                      gen.index, self.steps)
             return
@@ -206,12 +215,18 @@ class TransactionalLoop:
     def _group_all_reduce(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The agreement check's collective: over the generation's group (``CollectiveFailed`` on failure)."""
         assert self.group is not None
-        all_reduce(self.group, op, tensors)
+        self.group.all_reduce(op, tensors)
         return tensors
 
-    def _leave_group(self) -> None:
+    def _close_group(self, abort: bool) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close(abort)
+
+    def _leave_group(self, abort: bool) -> None:
+        """Leaves the generation; ``abort``: in the middle of a step, so the peers' collectives fail at once."""
         self._membership.end()
-        self.group = None
+        self._close_group(abort)
         self.generation = None
         self._agreement = None
 
@@ -252,29 +267,29 @@ class TransactionalLoop:
                 for p in f.params:
                     p.grad = None
             self._had = [False] * len(self._had)
-            self._decided, self._joiners, self._stepped = False, 0, False
+            self._joiners, self._stepped = 0, False
             self._phase_of_step = _Phase.OPEN
             try:
                 self._phase("forward")
                 result = step_fn(batch)
             except StepAborted:
-                self._discard(gen)
+                self._discard()
                 self.aborted += 1
                 log.warning("step %d discarded in generation %d; forming the next generation", self.steps,
                             gen.number)
                 continue
             except BaseException:  # the error goes to the caller, on every member alike
-                if self._phase_of_step is _Phase.COMMITTED:  # applied on every member: it counts
+                if self._phase_of_step is _Phase.COMMITTED:  # applied on this member: it counts
                     self._end_step()
                 else:
-                    self._discard(gen)
+                    self._discard()
                 raise
             if self._phase_of_step is not _Phase.COMMITTED:
-                self._discard(gen)
+                self._discard()
                 raise RuntimeError(
                     f"fault-tolerant MultiWorkerMirrored: step_fn returned at step {self.steps} without calling "
                     "backward() on a loss of the model's parameters: the end of backward() is the step's commit "
-                    "point, so the step was discarded on every member")
+                    "point, so the step was discarded")
             self._end_step()
             return result
 
@@ -282,18 +297,18 @@ class TransactionalLoop:
         self._phase_of_step = _Phase.IDLE
         self.steps += 1
         if self._joiners:
-            self._leave_group()  # workers wait to join: the next step forms a generation with them
+            self._leave_group(abort=False)  # workers wait to join: the next step forms a generation with them
 
-    def _discard(self, gen: Generation) -> None:
-        """Unwinds an attempt that did not commit: nothing of it stays, and this member leaves the group."""
+    def _discard(self) -> None:
+        """Unwinds an attempt that did not commit: nothing of it stays, and this member leaves the group,
+        tearing it down (its peers' collectives fail at once: they discard their step too, or, if theirs
+        completed, their next one)."""
         self._phase_of_step = _Phase.IDLE
-        if not self._decided:
-            self._membership.commit(gen, self.steps, False)  # the others redo this step without waiting
         self._snapshot.restore()
         for f in self._flats:
             for p in f.params:
                 p.grad = None
-        self._leave_group()
+        self._leave_group(abort=True)
 
     def _flats_for_step(self) -> list[Flat]:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -305,7 +320,7 @@ class TransactionalLoop:
                        if b is not None and b.is_floating_point() and is_mean_buffer(m, name)]
             dtypes = list(dict.fromkeys([p.dtype for p in params] + [b.dtype for b in buffers]))
             self._flats = [Flat([p for p in params if p.dtype == d], [b for b in buffers if b.dtype == d],
-                                 len(params) if i == 0 else 0) for i, d in enumerate(dtypes)]
+                                 len(params) + 1 if i == 0 else 0) for i, d in enumerate(dtypes)]
             self._had = [False] * len(params)
             views = {id(p): v for f in self._flats for p, v in zip(f.params, f.views)}
             for h in self._hooks:
@@ -332,9 +347,9 @@ class TransactionalLoop:
         return on_grad
 
     def _commit_point(self) -> None:
-        """The end of ``backward()``: the gradients' all-reduce, the agreement check, and the step's one
-        decision. Both collectives are waited for at once (our backend then runs them on this thread: no
-        hand-off to its worker), so none of the step's collectives is in flight at the decision."""
+        """The end of ``backward()``: the gradients' all-reduce and the agreement check; the step is applied
+        on this member iff both completed on it (see the module docstring). Both are waited for at once (our
+        backend then runs them on this thread: no hand-off to its worker)."""
         gen = self.generation
         assert gen is not None and self.group is not None
         flats = self._flats
@@ -347,27 +362,26 @@ class TransactionalLoop:
                         _into(v, p.grad)  # a gradient step_fn assigned, not backward's
                 for b, v in zip(f.buffers, f.views[len(f.params):]):
                     v.copy_(b).mul_(self._share)
-            flats[0].extra.copy_(torch.tensor(self._had, dtype=flats[0].extra.dtype))
+            flats[0].extra.copy_(torch.tensor(self._had + [self._membership.joiners(gen)],
+                                              dtype=flats[0].extra.dtype))
         self._phase("all_reduce")
-        ok = True
+        failure = None
         try:
             for f in flats:
-                all_reduce(self.group, ReduceOp.SUM, [f.flat])
+                self.group.all_reduce(ReduceOp.SUM, [f.flat])
             if self._agreement is not None:
                 self._agreement.check_step(self.optimizer)
-        except ReplicaDivergenceError:
-            raise  # the same on every member: the step is discarded and the error goes to the caller
-        except (CollectiveFailed, RuntimeError) as exc:
-            log.warning("step %d: all-reduce failed in generation %d: %s", self.steps, gen.number, exc)
-            ok = False
-        if ok:
             self._phase("commit")
-        committed, self._joiners = self._membership.commit(gen, self.steps, ok)
-        self._decided = True
-        if not committed:
+        except ReplicaDivergenceError:
+            raise  # the same on every member whose check completed: the step is discarded, the error goes on
+        except (CollectiveFailed, RuntimeError) as exc:
+            failure = str(exc)
+        if failure is not None:
+            log.warning("step %d: a collective failed in generation %d: %s", self.steps, gen.number, failure)
             raise StepAborted(f"step {self.steps} discarded in generation {gen.number}")
         self._phase("apply")
-        had = flats[0].extra.tolist()
+        *had, joiners = flats[0].extra.tolist()
+        self._joiners = int(joiners)
         i = 0
         with torch.no_grad():
             for f in flats:
@@ -416,13 +430,17 @@ class TransactionalLoop:
                 "loop.step forms the next generation. Reduce in step_fn before loss.backward(), or after loop.step")
         if gen.size == 1:
             return tensors
+        failure = None
         try:
-            all_reduce(group, op, tensors)
+            group.all_reduce(op, tensors)
         except CollectiveFailed as exc:
-            if state is _Phase.OPEN:
-                raise StepAborted(str(exc)) from None
-            raise UnavailableError(f"{what} over generation {gen.number} failed: {exc}") from exc
-        return tensors
+            failure = str(exc)
+        if failure is None:
+            return tensors
+        if state is _Phase.OPEN:
+            raise StepAborted(failure)
+        self._leave_group(abort=True)  # outside a step: the next loop.step forms the next generation
+        raise UnavailableError(f"{what} over generation {gen.number} failed: {failure}")
 
     def close(self) -> None:
         if self.generation is not None:  # a member in good standing ends the job's training here
@@ -430,7 +448,7 @@ class TransactionalLoop:
         for h in self._hooks + self._optimizer_hooks:
             h.remove()
         self._hooks, self._optimizer_hooks = [], []
-        self._leave_group()
+        self._leave_group(abort=False)
 
 
 def _into(view: torch.Tensor, grad: torch.Tensor) -> None:

@@ -9,20 +9,21 @@ Keys (under the job's prefix):
   registrant closes it when its own view allows (every member of ``G-1`` registered, or silent for
   ``dead_after_seconds``, or ``timeout_seconds`` passed), and the first write wins. A registrant missing
   from the winner is *refused* (its generation is old) and joins the next one without state.
-* ``g<G>/ok``, ``g<G>/s<S>/d``: the commit of step ``S``: each member adds 1 to the generation's ``ok``
-  counter after its collectives completed; the member that brings it to ``size * k`` (``S`` is the
-  generation's ``k``-th step) writes ``d = "commit <j>"`` (``j``: registrations waiting for ``G+1``), a
-  member whose collective failed, or that waited ``timeout_seconds`` for ``d``, writes ``d = "abort"``; both
-  with ``compare_set``, so exactly one decision exists and every member (a frozen one that wakes up too)
-  reads the same. Two store round trips per member and step; the heartbeat thread, off the step's path,
-  counts the registrations for ``G+1`` and deletes the decisions every member has read.
+* No key for the commit of a step: a member applies step ``k`` when every collective of it completed on
+  that member (the gradients' all-reduce and the agreement check's, ``loop.py``); one whose collective failed
+  discards it, tears the group down so that its peers' collectives fail at once, and registers for ``G+1``
+  with its committed steps. So the members of ``G`` may register with different counts (a step completed on
+  some and failed on others); the new generation copies the state of the first member with the most steps
+  to the others (``TransactionalLoop._heal``): every member of ``G`` with state holds ``G``'s state at its own
+  step count, and a step applied by any member was an all-reduce over all of ``G``, so nothing is applied
+  twice or lost. Joiners: the heartbeat thread counts the registrations for ``G+1`` (:meth:`Membership.joiners`);
+  each member adds what it saw into the step's all-reduce, and every member reads the same sum.
 
 A worker's identity is ``<slot>.<pid>.<random>``: a restarted worker is a new member.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import logging
@@ -89,9 +90,8 @@ class Membership:
         slot = os.environ.get(WORKER_ENV, os.environ.get("RANK", "0"))
         self.me = f"{slot}.{os.getpid()}.{secrets.token_hex(3)}"
         self._stop = threading.Event()
-        self._watch: tuple[int, int] | None = None  # (generation, first step) while a member
-        self._joiners: tuple[int, int] = (0, 0)      # (generation, registrations for the next one)
-        self._garbage: collections.deque[str] = collections.deque()
+        self._watch: int | None = None           # the generation this worker is a member of
+        self._joiners: tuple[int, int] = (0, 0)  # (generation, registrations for the next one)
         self._beat_store = connect(options)  # its own connection: never queued behind a blocking get
         self._beat_store.add(f"hb/{self.me}", 1)
         self._thread = threading.Thread(target=self._beat, name="torchstrategies-ft-heartbeat", daemon=True)
@@ -104,9 +104,7 @@ class Membership:
                 self._beat_store.add(key, 1)
                 watch = self._watch
                 if watch is not None:
-                    self._joiners = (watch[0], int(self._beat_store.add(f"g{watch[0] + 1}/n", 0)))
-                while self._garbage:
-                    self._beat_store.delete_key(self._garbage.popleft())
+                    self._joiners = (watch, int(self._beat_store.add(f"g{watch + 1}/n", 0)))
             except Exception:  # noqa: BLE001 - the store is gone; the main path reports it
                 return
 
@@ -199,34 +197,16 @@ class Membership:
     def finished(self) -> int | None:
         return int(_key_text(self.store, "finished")) if self.store.check(["finished"]) else None
 
-    # --- the commit of a step -----------------------------------------------------------------------------
-    def begin(self, gen: Generation, first_step: int) -> None:
-        """This worker is a member of ``gen``, whose first step is ``first_step``."""
-        self._watch = (gen.number, first_step)
+    # --- while a member ---------------------------------------------------------------------------------------
+    def begin(self, gen: Generation) -> None:
+        """This worker is a member of ``gen``: the heartbeat thread counts the registrations for the next one."""
+        self._watch = gen.number
 
     def end(self) -> None:
         self._watch = None
 
-    def commit(self, gen: Generation, step: int, ok: bool) -> tuple[bool, int]:
-        """The one decision about step ``step`` in ``gen``: (committed, registrations waiting to join).
-
-        ``ok``: this member's collectives of the step completed."""
-        key = f"g{gen.number}/s{step}"
-        watch = self._watch
-        assert watch is not None and watch[0] == gen.number, "commit outside the generation"
-        if not ok:
-            decision = self.store.compare_set(f"{key}/d", "", "abort")
-        elif int(self.store.add(f"g{gen.number}/ok", 1)) == gen.size * (step - watch[1] + 1):
-            waiting = self._joiners[1] if self._joiners[0] == gen.number else 0
-            decision = self.store.compare_set(f"{key}/d", "", f"commit {waiting}")
-            if step > watch[1]:  # every member counted itself for this step: each read the previous decision
-                self._garbage.append(f"g{gen.number}/s{step - 1}/d")
-        else:
-            try:
-                decision = self.store.get(f"{key}/d")  # waits up to timeout_seconds
-            except RuntimeError:
-                decision = self.store.compare_set(f"{key}/d", "", "abort")
-        text = bytes(decision).decode()
-        if text.startswith("commit"):
-            return True, int(text.split()[1])
-        return False, 0
+    def joiners(self, gen: Generation) -> int:
+        """Registrations for generation ``gen.number + 1`` as of the last heartbeat (returning workers, or
+        members of ``gen`` that left it); 0 until the heartbeat thread has looked."""
+        number, count = self._joiners
+        return count if number == gen.number else 0

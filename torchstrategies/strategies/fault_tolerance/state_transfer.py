@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from torchstrategies.strategies.fault_tolerance.group import Group
 
 __all__ = ["encode", "decode", "broadcast_state"]
 
@@ -90,20 +91,21 @@ def decode(header: bytes, tensors: list[torch.Tensor]) -> Any:
     return walk(json.loads(header.decode()))
 
 
-def broadcast_state(group: dist.ProcessGroup, src: int, state: Callable[[], object],
+def broadcast_state(group: Group, src: int, state: Callable[[], object],
                     device: torch.device, phase: Callable[[str], None] | None = None) -> Any:
     """Member ``src`` sends ``state()`` to every member of ``group``; every member returns the decoded copy
-    (``src`` its own). Every member calls it; a failed collective raises (nothing was loaded anywhere)."""
+    (``src`` its own). Every member calls it; a failed collective raises ``CollectiveFailed`` (nothing was
+    loaded anywhere)."""
     me = group.rank()
     if me == src:
         header, tensors = encode(state())
     else:
         header, tensors = b"", []
     size = torch.tensor([len(header)], dtype=torch.int64)
-    group.broadcast(size, src).wait()
+    group.broadcast(size, src)
     raw = torch.frombuffer(bytearray(header), dtype=torch.uint8) if me == src else \
         torch.empty(int(size.item()), dtype=torch.uint8)
-    group.broadcast(raw, src).wait()
+    group.broadcast(raw, src)
     if phase is not None:
         phase("heal_header")
     header = raw.numpy().tobytes()
@@ -121,7 +123,7 @@ def broadcast_state(group: dist.ProcessGroup, src: int, state: Callable[[], obje
             flat = torch.cat([tensors[i].reshape(-1).to(device=device, dtype=wire) for i in idx])
         else:
             flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=wire, device=device)
-        group.broadcast(flat, src).wait()
+        group.broadcast(flat, src)
         if me != src:
             off = 0
             for i in idx:
