@@ -1,7 +1,7 @@
 """The fault-tolerant mode of MultiWorkerMirrored training (docs/fault_tolerance.md).
 
 * ``options.py``: ``FaultTolerance``, the mode's options.
-* ``membership.py``: generations and the commit of each step, in the launcher's TCPStore.
+* ``membership.py``: generations and the joiners, in the launcher's TCPStore (a step's path never touches it).
 * ``state_transfer.py``: a live member's state sent to a returning one (tensors and a JSON header).
 * ``global_batches.py``: ``GlobalBatches``, the fixed sequence of global batches split among the members.
 * ``loop.py``: ``TransactionalLoop``, the user's ``step_fn`` as a transaction (commit point: the end of backward).
