@@ -143,8 +143,10 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
     rejoined = next(r for r in results if r["pid"] == victim.pids[-1])
     assert rejoined["healed_at"] >= fault["at_least_step"]
     survivors = [r for r in results if r["slot"] != slot]
-    # Killed before its all-reduce completed everywhere, the step is redone; killed at "apply" (the
-    # decision was commit), it is not: either way no survivor applied a step twice (checked above).
+    # Killed before its collectives completed, the step is discarded by the survivors and redone; killed
+    # at "commit" or "apply" (its collectives completed on it, so on the survivors too, or on some of them:
+    # those heal the others), the survivors discard the next step: either way each survivor discards one
+    # step at most and applied none twice (checked above).
     assert all(r["aborted"] <= 1 for r in survivors)
 
 
@@ -152,8 +154,8 @@ def test_a_worker_killed_at_a_random_step_and_phase_costs_no_step_and_rejoins(tm
 @pytest.mark.parametrize("implementation", ["GLOO", "AUTO"])
 def test_a_worker_killed_at_the_commit_point_costs_no_step_on_gloo_and_on_our_backend(tmp_path, implementation):
     # Slot 1 dies at the end of its backward, as its gradients' all-reduce is about to start; the survivors'
-    # all-reduce (or their agreement check's) fails, the decision is abort: nothing of the step is applied,
-    # the survivors redo it, and slot 1 rejoins. On our backend (AUTO: shared memory, collectives run on the
+    # all-reduce (or their agreement check's) fails on each of them: nothing of the step is applied, the
+    # survivors redo it, and slot 1 rejoins. On our backend (AUTO: shared memory, collectives run on the
     # caller's thread) no segment is left either (_run checks /dev/shm).
     fault = {"slot": 1, "restart": 0, "at_least_step": 4, "phase": "all_reduce", "action": "kill"}
     workers, results = _run(tmp_path, [fault], implementation=implementation)
