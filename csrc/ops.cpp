@@ -19,11 +19,11 @@ TORCH_LIBRARY(torchstrategies, m) {
   // An exact, order-sensitive 64-bit hash of each tensor's bytes (csrc/core/hash.h), as int64 on their device.
   m.def("hash_tensors(Tensor[] tensors) -> Tensor");
   // The per-step agreement check (csrc/cpu/agreement_step.cpp): before the update, the fingerprints of the
-  // tensors that moved and of the forced ones into `payload`, ready for one MAX all-reduce; after it, the
-  // optimizer's writes recorded and the update's piece of the rotating slice hashed.
-  m.def("agreement_hash_(Tensor[] tensors, Tensor(a!) state, Tensor(b!) payload, int forced_from) -> ()");
-  m.def("agreement_record_(Tensor[] tensors, Tensor(a!) state, Tensor(b!) payload, int forced_from, int piece, "
+  // tensors that moved, of the forced ones and of this step's piece of the rotating slice into `payload`,
+  // ready for one MAX all-reduce; after it, the optimizer's writes recorded.
+  m.def("agreement_hash_(Tensor[] tensors, Tensor(a!) state, Tensor(b!) payload, int forced_from, int piece, "
         "int slices) -> ()");
+  m.def("agreement_record_(Tensor[] tensors, Tensor(a!) state) -> ()");
 }
 
 PYBIND11_MODULE(_C, m) {

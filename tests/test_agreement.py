@@ -1,7 +1,7 @@
 """Issue 46: one agreement seam names any divergence between the replicas or ranks within a few steps.
 
 A permutation of two rows, a one-bit flip and a ``.data`` write on one rank are each named (tensor, rank,
-step) within ``AGREEMENT_SLICES + 1`` steps (a write whose version moves: at once), also when two optimizers
+step) within ``AGREEMENT_SLICES`` steps (a write whose version moves: at once), also when two optimizers
 alternate; every rank raises the same error from the same ``optimizer.step()``, before its update (nothing of
 that step applied); a model and optimizer made
 outside the scope (issue case 5) and ``nn.Embedding(max_norm=...)`` (case 4) under MultiWorkerMirrored are
@@ -62,11 +62,11 @@ def _mwms_corrupt(rank: int, world: int, how: str) -> dict[str, object]:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("how,bound", [("permute", AGREEMENT_SLICES + 1), ("bitflip", AGREEMENT_SLICES + 1),
+@pytest.mark.parametrize("how,bound", [("permute", AGREEMENT_SLICES), ("bitflip", AGREEMENT_SLICES),
                                        ("data_assign", 1), ("inplace", 1)])
 def test_a_write_on_one_rank_is_named_with_tensor_rank_and_step_within_the_bound(how, bound, world):
-    assert AGREEMENT_SLICES + 1 <= 10  # the promise: any divergence named within 10 steps (the step it is made in
-    # and the 9 after: a slice's piece is hashed after an update and compared before the next)
+    assert AGREEMENT_SLICES <= 10  # the promise: any divergence named within 10 steps (the step it is made in
+    # and the 9 after: each check hashes the next piece before its update, every piece once in 10 checks)
     for out in run_ranks(_mwms_corrupt, world, args=(how,), timeout=120):
         assert out["step"] is not None, f"{how}: never named"
         assert CORRUPT_AT <= out["step"] < CORRUPT_AT + bound, out
@@ -144,7 +144,7 @@ def _mwms_two_optimizers(rank: int, world: int) -> dict[str, object]:
 def test_the_rotating_slice_covers_each_optimizers_tensors_when_two_optimizers_alternate():
     for out in run_ranks(_mwms_two_optimizers, 2, timeout=100):
         assert out["step"] is not None, "never named"
-        assert out["step"] < 3 + 2 * (AGREEMENT_SLICES + 1), out   # within a's own AGREEMENT_SLICES + 1 steps
+        assert out["step"] < 3 + 2 * AGREEMENT_SLICES, out   # within a's own AGREEMENT_SLICES steps
         assert out["tensor"] == "Sequential.0.weight", out
 
 
@@ -239,10 +239,10 @@ def _mwms_debug(rank: int, world: int) -> object:
 
 @pytest.mark.timeout(120)
 def test_debug_mode_checks_everything_at_every_step():
-    """Debug mode hashes every byte after every update: a write torch does not count, made before step
-    CORRUPT_AT's forward, is in what that update leaves, compared before the next update."""
+    """Debug mode hashes every byte at every check: a write torch does not count, made before step
+    CORRUPT_AT's forward, is named by that step's check, before its update."""
     for step in run_ranks(_mwms_debug, 2, env={"TORCHSTRATEGIES_DEBUG": "1"}, timeout=100):
-        assert step == CORRUPT_AT + 1, step
+        assert step == CORRUPT_AT, step
 
 
 class _Reset(torch.optim.Optimizer):
@@ -258,7 +258,7 @@ class _Reset(torch.optim.Optimizer):
                 p.zero_()
 
 
-def _mwms_slice_after_the_update(rank: int, world: int) -> dict[str, object]:
+def _mwms_slice_before_the_update(rank: int, world: int) -> dict[str, object]:
     import torchstrategies as ts
 
     strategy = ts.MultiWorkerMirroredStrategy()
@@ -281,12 +281,13 @@ def _mwms_slice_after_the_update(rank: int, world: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(120)
-def test_the_rotating_slice_compares_what_the_ranks_hold_after_the_update():
-    """The slice is hashed in the step post-hook, after the update (its bytes still in cache): a difference the
-    update overwrites on every rank alike (an update that writes zeros) is gone, not named."""
-    outs = run_ranks(_mwms_slice_after_the_update, 2, env={"TORCHSTRATEGIES_DEBUG": "1"}, timeout=100)
-    assert [o["step"] for o in outs] == [None, None], outs
-    assert outs[0]["weight"] == outs[1]["weight"], outs
+def test_the_rotating_slice_compares_what_the_ranks_hold_before_the_update():
+    """The slice is hashed in the step pre-hook, before the update: a difference the update would overwrite on
+    every rank alike (an update that writes zeros) is still named, at the step it precedes (the ranks held
+    different models until then)."""
+    outs = run_ranks(_mwms_slice_before_the_update, 2, env={"TORCHSTRATEGIES_DEBUG": "1"}, timeout=100)
+    assert [o["step"] for o in outs] == [CORRUPT_AT, CORRUPT_AT], outs
+    assert all("parameter Linear.weight differs between the ranks" in str(o["message"]) for o in outs), outs
 
 
 # --- in-process (Mirrored, CentralStorage): issue case 6 ----------------------------------------------------
@@ -343,7 +344,7 @@ def test_an_uncounted_write_in_one_replica_is_named_within_the_slices(strategy_n
 def _moved_flags(lists) -> list[int]:
     from torchstrategies import ops
 
-    ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from)
+    ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, 0, 1)
     return lists.payload[:len(lists.tensors)].tolist()
 
 
@@ -362,7 +363,7 @@ def test_a_tensor_counts_as_moved_until_recorded_and_a_new_list_counts_as_moved_
     assert _moved_flags(lists) == [1, 0]
     with torch.no_grad():
         u.add_(1)                            # the optimizer's own write, recorded after its step: no news
-    ops.agreement_record_(lists.tensors, lists.state, lists.payload, lists.forced_from, 0, 1)
+    ops.agreement_record_(lists.tensors, lists.state)
     assert _moved_flags(lists) == [0, 0]
     state = lists.state
     lists.use([t, u], [])                    # the same list of the same tensors: kept
@@ -378,11 +379,11 @@ def test_the_step_payload_is_flags_and_fingerprints_and_their_negations_and_its_
     from torchstrategies.distribute.agreement_step import StepTensors
 
     def payload(tensors, piece):   # a second step (nothing moved): the forced tensor whole, and the piece
-        lists = StepTensors()      # the last update left (hashed after it, compared at the next check)
+        lists = StepTensors()
         lists.use(tensors[:-1], tensors[-1:])
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from)
-        ops.agreement_record_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, 3)
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, 3)
+        ops.agreement_record_(lists.tensors, lists.state)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, 3)
         return lists.payload.tolist()
 
     # the tracked bytes: 48 + 40, cut into pieces [0, 29), [29, 58), [58, 88)

@@ -96,14 +96,14 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
         other = [x[: max(1, x.numel() // 2)].clone() for x in xs]
         cases["accumulate_grouped_"].append(([xs[0].clone(), other[0]], [xs[1], other[1], xs[2], other[2]]))
         cases["hash_tensors"].append(([xs[0], other[1], xs[2].reshape(-1, 1)[::2]],))
-    # the agreement check's two ops (agreement_step.py): before the update (a new list: everything moved), and
-    # after it (pieces 0 and 1 of 2)
+    # the agreement check's two ops (agreement_step.py): before the update (a new list: everything moved;
+    # pieces 0 and 1 of 2), and after it
     state = torch.zeros(2, 3, dtype=torch.int64)
     state[:, 0] = -1   # a new list: every tensor counts as moved
     tensors = [torch.randn(5, 3, generator=g), torch.arange(7.)]
-    cases["agreement_hash_"] = [(tensors, state.clone(), torch.zeros(18, dtype=torch.int64), 1)]
-    cases["agreement_record_"] = [(tensors, state.clone(), torch.zeros(18, dtype=torch.int64), 1, piece, 2)
-                                  for piece in (0, 1)]
+    cases["agreement_hash_"] = [(tensors, state.clone(), torch.zeros(18, dtype=torch.int64), 1, piece, 2)
+                                for piece in (0, 1)]
+    cases["agreement_record_"] = [(tensors, state.clone())]
     return cases
 
 

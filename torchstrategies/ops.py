@@ -256,23 +256,21 @@ def hash_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def agreement_hash_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor,
-                    forced_from: int) -> None:
+                    forced_from: int, piece: int, slices: int) -> None:
     """The per-step agreement check's tensor work before the optimizer's update (``distribute/agreement_step.py``):
     the tracked tensors (before ``forced_from``) that moved since ``state`` recorded them (recorded now) and the
-    forced ones (from ``forced_from`` on), hashed whole; then the all-reduce's wire laid out in ``payload``
-    (int64, 9n: the wire ``[flags, whole, piece, -flags, -whole, -piece]``, then this rank's own
-    ``[flags, whole, piece]``; ``piece`` is what :func:`agreement_record_` left). ``state``: int64 (n, 3) on the
-    CPU, a version of -1 for a new list. Called every step: no checks here beyond the kernel's."""
-    _ops.agreement_hash_(tensors, state, payload, forced_from)
+    forced ones (from ``forced_from`` on), hashed whole, and piece ``piece`` of ``slices`` (``0 <= piece <
+    slices``) of the tracked tensors' bytes laid end to end, hashed per tensor; then the all-reduce's wire laid
+    out in ``payload`` (int64, 9n: the wire ``[flags, whole, piece, -flags, -whole, -piece]``, then this rank's
+    own ``[flags, whole, piece]``). ``state``: int64 (n, 3) on the CPU, a version of -1 for a new list. Called
+    every step: no checks here beyond the kernel's."""
+    _ops.agreement_hash_(tensors, state, payload, forced_from, piece, slices)
 
 
-def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor, payload: torch.Tensor, forced_from: int,
-                      piece: int, slices: int) -> None:
+def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor) -> None:
     """After an optimizer's update: records in ``state`` every position of ``tensors`` as it is now (what moved
-    during the step is the optimizer's own write) and hashes piece ``piece`` of ``slices`` (``0 <= piece <
-    slices``) of the tracked tensors' bytes laid end to end into ``payload``'s own piece fingerprints (compared
-    at the next :func:`agreement_hash_`)."""
-    _ops.agreement_record_(tensors, state, payload, forced_from, piece, slices)
+    during the step is the optimizer's own write: no news at the next :func:`agreement_hash_`)."""
+    _ops.agreement_record_(tensors, state)
 
 
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
@@ -312,8 +310,8 @@ torch.library.register_fake("torchstrategies::accumulate_")(_fake_accumulate_)
 torch.library.register_fake("torchstrategies::accumulate_grouped_")(_fake_accumulate_grouped_)
 torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
-torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f: None)
-torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state, payload, f, piece, n: None)
+torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, n: None)
+torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state: None)
 
 
 def _setup_ctx(ctx, inputs, output):

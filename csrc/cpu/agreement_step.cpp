@@ -47,7 +47,7 @@ int64_t mix(uint64_t h, const at::Tensor& t, int64_t a, int64_t b) {
 }
 
 struct Item {
-  int64_t index;  // position in the list
+  int64_t slot;   // where its fingerprint goes (in the payload's own part)
   at::Tensor view;
   int64_t a, b;   // the element range of the flat view it covers (b - a == numel for a whole tensor)
 };
@@ -74,7 +74,7 @@ void hash_items(std::vector<Item>& items, int64_t* slots) {
     const int64_t* hp = h.const_data_ptr<int64_t>();
     for (size_t k = 0; k < group.size(); ++k) {
       const Item& it = items[group[k]];
-      slots[it.index] = mix(static_cast<uint64_t>(hp[k]), it.view, it.a, it.b);
+      slots[it.slot] = mix(static_cast<uint64_t>(hp[k]), it.view, it.a, it.b);
     }
   }
 }
@@ -98,69 +98,17 @@ void check_call(const char* op, at::TensorList tensors, const at::Tensor& state,
 
 // The payload (int64, 9n) of a list of n tensors: the wire [flags, whole, piece, -flags, -whole, -piece] (6n,
 // the MAX all-reduce's, reduced in place), then this rank's own [flags, whole, piece] (3n). `whole` holds the
-// fingerprints of the tensors hashed whole before the update, `piece` those of what the last update left in
-// this list's piece of the rotating slice (written by agreement_record_, compared at the next check).
+// fingerprints of the tensors hashed whole, `piece` those of this step's piece of the rotating slice.
 
-// Before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved (version or
-// storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors hashed whole
-// into whole[i] (0 for the others); then the wire laid out from this rank's values.
-void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
-                     int64_t forced_from) {
-  check_call("agreement_hash_", tensors, state, payload, forced_from);
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  int64_t* st = state.mutable_data_ptr<int64_t>();
-  int64_t* wire = payload.mutable_data_ptr<int64_t>();
-  int64_t* own = wire + 6 * n;
-  int64_t* flags = own;
-  int64_t* whole = own + n;
-  std::vector<Item> items;
-  for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor& t = tensors[i];
-    int64_t* row = st + i * kCols;
-    row[kMoved] = 0;
-    whole[i] = 0;
-    if (i < forced_from) {
-      const int64_t version = t._version(), ptr = address(t);
-      if (row[kVersion] != version || row[kPtr] != ptr) {
-        row[kVersion] = version;
-        row[kPtr] = ptr;
-        row[kMoved] = 1;
-      }
-    }
-    flags[i] = row[kMoved];
-    if (i >= forced_from || row[kMoved]) items.push_back({i, t.detach(), 0, t.numel()});
-  }
-  hash_items(items, whole);
-  for (int64_t j = 0; j < 3 * n; ++j) {
-    wire[j] = own[j];
-    wire[3 * n + j] = -own[j];
-  }
-}
-
-// After the optimizer's update: every position recorded as it is now (what moved during the optimizer's step
-// is its own write: no news at the next check), and piece `piece` of `slices` of the tracked tensors' bytes
-// laid end to end hashed into this rank's piece[i] (its bytes were just written by the update: in cache),
-// per tensor (a non-contiguous tensor whole, in the piece where it starts; 0 for a tensor with no byte in
-// the piece).
-void agreement_record_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
-                       int64_t forced_from, int64_t piece, int64_t slices) {
-  check_call("agreement_record_", tensors, state, payload, forced_from);
-  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, "agreement_record_: piece ", piece, " of ", slices,
-              " slices: expected slices >= 1 and 0 <= piece < slices");
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  int64_t* st = state.mutable_data_ptr<int64_t>();
-  int64_t* pieces = payload.mutable_data_ptr<int64_t>() + 8 * n;
+// Piece `piece` of `slices` of the tracked tensors' bytes laid end to end (tensors before forced_from), as items
+// per tensor (a non-contiguous tensor whole, in the piece where it starts; none for a tensor with no byte in it).
+void piece_items(at::TensorList tensors, int64_t forced_from, int64_t piece, int64_t slices, std::vector<Item>& items) {
   int64_t total = 0;
   for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
   const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
-  std::vector<Item> items;
   int64_t start = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < forced_from; ++i) {
     const at::Tensor& t = tensors[i];
-    st[i * kCols + kVersion] = t._version();
-    st[i * kCols + kPtr] = address(t);
-    pieces[i] = 0;
-    if (i >= forced_from) continue;
     const int64_t e = static_cast<int64_t>(t.element_size());
     const int64_t size = t.numel() * e, end = start + size;
     if (end > lo && start < hi && size > 0) {
@@ -174,7 +122,59 @@ void agreement_record_(at::TensorList tensors, const at::Tensor& state, const at
     }
     start = end;
   }
-  hash_items(items, pieces);
+}
+
+// Before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved (version or
+// storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors hashed whole
+// into whole[i] (0 for the others); piece `piece` of `slices` of the tracked tensors' bytes hashed into
+// piece[i]; then the wire laid out from this rank's values. One hash call per device for all of it.
+void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
+                     int64_t forced_from, int64_t piece, int64_t slices) {
+  check_call("agreement_hash_", tensors, state, payload, forced_from);
+  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, "agreement_hash_: piece ", piece, " of ", slices,
+              " slices: expected slices >= 1 and 0 <= piece < slices");
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  int64_t* st = state.mutable_data_ptr<int64_t>();
+  int64_t* wire = payload.mutable_data_ptr<int64_t>();
+  int64_t* own = wire + 6 * n;
+  int64_t* flags = own;
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    int64_t* row = st + i * kCols;
+    row[kMoved] = 0;
+    own[n + i] = 0;
+    own[2 * n + i] = 0;
+    if (i < forced_from) {
+      const int64_t version = t._version(), ptr = address(t);
+      if (row[kVersion] != version || row[kPtr] != ptr) {
+        row[kVersion] = version;
+        row[kPtr] = ptr;
+        row[kMoved] = 1;
+      }
+    }
+    flags[i] = row[kMoved];
+    if (i >= forced_from || row[kMoved]) items.push_back({n + i, t.detach(), 0, t.numel()});
+  }
+  const size_t wholes = items.size();
+  piece_items(tensors, forced_from, piece, slices, items);
+  for (size_t k = wholes; k < items.size(); ++k) items[k].slot += 2 * n;
+  hash_items(items, own);
+  for (int64_t j = 0; j < 3 * n; ++j) {
+    wire[j] = own[j];
+    wire[3 * n + j] = -own[j];
+  }
+}
+
+// After the optimizer's update: every position recorded as it is now (what moved during the optimizer's step
+// is its own write: no news at the next check).
+void agreement_record_(at::TensorList tensors, const at::Tensor& state) {
+  check_state("agreement_record_", tensors, state);
+  int64_t* st = state.mutable_data_ptr<int64_t>();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    st[i * kCols + kVersion] = tensors[i]._version();
+    st[i * kCols + kPtr] = address(tensors[i]);
+  }
 }
 
 TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {

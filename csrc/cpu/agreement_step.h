@@ -9,9 +9,8 @@
 namespace torchstrategies {
 
 void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
-                     int64_t forced_from);
+                     int64_t forced_from, int64_t piece, int64_t slices);
 
-void agreement_record_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
-                       int64_t forced_from, int64_t piece, int64_t slices);
+void agreement_record_(at::TensorList tensors, const at::Tensor& state);
 
 }  // namespace torchstrategies

@@ -10,21 +10,21 @@ At every ``optimizer.step()``, before its update, a :class:`StepAgreement` compa
   all-reduce, taken only then;
 * the ``forced`` tensors (the parameters of an optimizer no strategy watches: a model and optimizer made
   outside the scope), hashed whole, at every step;
-* a piece of the rotating slice, hashed after the last update (by :meth:`StepAgreement.record`, the step
-  post-hook, while the update's writes are still in cache): the tracked tensors' bytes laid end to end and
-  cut into ``slices`` equal pieces, piece ``turn % slices`` at the optimizer's ``turn``-th update, so every
-  byte is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost. A write torch does
-  not count (through ``.data`` or a kernel that bypasses the version counter), or an update that came out
-  differently on some rank, is named within ``slices + 1`` steps of the step it happened in (``turn``
-  counts the updates of the optimizer that steps, so two optimizers that alternate each go through every
-  piece of their own tensors).
+* a piece of the rotating slice: the tracked tensors' bytes laid end to end and cut into ``slices`` equal
+  pieces, piece ``turn % slices`` before the optimizer's ``turn``-th update (``turn`` from 0), so every byte
+  is compared once every ``slices`` steps at ``1 / slices`` of a full check's cost. A write torch does not
+  count (through ``.data`` or a kernel that bypasses the version counter), or an update that came out
+  differently on some rank, is named within ``slices`` steps: at the latest at the ``slices``-th check
+  after it, where its piece comes round again (the in-process strategies' bound too, ``replicated.py``).
+  ``turn`` counts the updates of the optimizer that steps, so two optimizers that alternate each go
+  through every piece of their own tensors.
 
 :meth:`StepAgreement.check` (the step pre-hook, where the ranks have just met in the gradients' all-reduce)
-hashes what moved (``ops.agreement_hash_``), runs the all-reduce and raises ``ReplicaDivergenceError`` if
-anything differs; :meth:`StepAgreement.record` (the post-hook) records the update's writes and hashes the
-piece (``ops.agreement_record_``). The decision is made from the all-reduce's result, which every rank
-receives alike, so every rank raises the same error from the same ``optimizer.step()``, before its update
-(nothing of that step is applied), or none does.
+hashes what moved and the piece in one C++ call (``ops.agreement_hash_``), runs the all-reduce and raises
+``ReplicaDivergenceError`` if anything differs; :meth:`StepAgreement.record` (the post-hook) records the
+update's writes (``ops.agreement_record_``: versions and addresses, no bytes read). The decision is made
+from the all-reduce's result, which every rank receives alike, so every rank raises the same error from
+the same ``optimizer.step()``, before its update (nothing of that step is applied), or none does.
 
 What depends only on the list of tensors (which of them moved since recorded: their version and address
 per position) lives in a :class:`StepTensors` per optimizer, kept while the list is the same list of the same
@@ -48,12 +48,12 @@ from torchstrategies.distribute.agreement import RankAgreement, fingerprint_list
 __all__ = ["StepAgreement", "StepTensors", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
 
 # How many steps the rotating slice takes to cover every tracked byte: a write torch does not count is named
-# within AGREEMENT_SLICES + 1 steps (the piece that holds it is hashed after an update and compared before the
-# next; version-moved tensors are named at once); each step hashes 1/AGREEMENT_SLICES of the model, the
-# larger part of what the check costs a step, so the default is the largest value the promise allows (issue
-# 46: any divergence named within 10 steps). What the check costs at this value is measured in
-# docs/strategies.md (Agreement).
-AGREEMENT_SLICES = 9
+# within AGREEMENT_SLICES steps (the check of the step it is made in and the AGREEMENT_SLICES - 1 after it:
+# the piece that holds it is among them; version-moved tensors are named at once); each step hashes
+# 1/AGREEMENT_SLICES of the model, the larger part of what the check costs a step, so the default is the
+# largest value the promise allows (issue 46: any divergence named within 10 steps). What the check costs at
+# this value is measured in docs/strategies.md (Agreement).
+AGREEMENT_SLICES = 10
 
 # raise_for(index into tensors, reason, the fingerprint this rank compared, when): raises the error.
 RaiseFor = Callable[[int, str, int, str], None]
@@ -64,7 +64,7 @@ class StepTensors:
     from ``forced_from`` on forced), per position the version and address it had when last recorded and
     whether it moved this step (``state``, int64 (n, 3)), the ``payload`` (int64 9n, ``ops.agreement_hash_``'s:
     its first 6n, ``wire``, are all-reduced in place; its last 3n stay this rank's flags and fingerprints),
-    and ``turn``, the optimizer's updates so far (which piece of the rotating slice is next)."""
+    and ``turn``, the optimizer's updates so far (which piece of the rotating slice the next check takes)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -84,7 +84,7 @@ class StepTensors:
         n = len(self.tensors)
         self.state = torch.zeros(n, 3, dtype=torch.int64)
         self.state[:, 0] = -1   # no version is negative: every tensor of a new list counts as moved
-        self.payload = torch.zeros(9 * n, dtype=torch.int64)   # no piece yet: zeros on every rank
+        self.payload = torch.zeros(9 * n, dtype=torch.int64)   # filled by each check
         self.wire = self.payload[:6 * n]
 
 
@@ -105,12 +105,11 @@ class StepAgreement:
 
     def record(self, lists: StepTensors) -> None:
         """After an optimizer's update of ``lists``: remembers every tensor as it is now (its own writes are no
-        news) and hashes the update's piece of the rotating slice, compared at the next :meth:`check`."""
+        news at the next :meth:`check`), and the next check takes the next piece of the rotating slice."""
         if not self.slices or not lists.tensors:
             return
-        piece = lists.turn % self.slices
         lists.turn += 1
-        ops.agreement_record_(lists.tensors, lists.state, lists.payload, lists.forced_from, piece, self.slices)
+        ops.agreement_record_(lists.tensors, lists.state)
 
     def check(self, lists: StepTensors, raise_for: RaiseFor) -> None:
         """Compares what this step checks of ``lists`` (the same list on every rank) across the ranks and raises
@@ -120,7 +119,8 @@ class StepAgreement:
         self.steps += 1
         if not lists.tensors:
             return
-        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from)
+        ops.agreement_hash_(lists.tensors, lists.state, lists.payload, lists.forced_from, lists.turn % self.slices,
+                            self.slices)
         differ = self.ranks.max_min_payload(lists.wire)
         if differ is None:
             return

@@ -38,6 +38,8 @@ __all__ = ["CollectiveAllReduce", "PendingAllReduce"]
 
 _DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX}
+# all_reduce_in_place's options per op, made once (every call the same: not rebuilt on the step's path).
+_IN_PLACE_OPTIONS: dict[ReduceOp, dist.AllreduceOptions] = {}
 
 
 def _make_group(options: CommunicationOptions) -> dist.ProcessGroup:
@@ -125,11 +127,13 @@ class CollectiveAllReduce(CrossDeviceOps):
         """Reduces each tensor over every worker in place, at once, one collective each on the strategy's group:
         the lean path for a few numbers (the agreement check's payload), with no packing and no copy. SUM, MIN
         or MAX (MEAN of integers has no in-place result)."""
-        if op is ReduceOp.MEAN:
-            raise ValueError("all_reduce_in_place reduces with SUM, MIN or MAX, got MEAN (use all_reduce_tensors)")
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp(_DIST_OP[op])
-        opts.asyncOp = False   # waited for at once: our backend then runs it on the caller's thread
+        opts = _IN_PLACE_OPTIONS.get(op)
+        if opts is None:
+            if op is ReduceOp.MEAN:
+                raise ValueError("all_reduce_in_place reduces with SUM, MIN or MAX, got MEAN (use all_reduce_tensors)")
+            opts = _IN_PLACE_OPTIONS[op] = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp(_DIST_OP[op])
+            opts.asyncOp = False   # waited for at once: our backend then runs it on the caller's thread
         for t in tensors:
             self.group.allreduce([t], opts).wait()
 

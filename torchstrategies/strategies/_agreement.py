@@ -3,9 +3,9 @@ hold equal, what to call it in an error, and what likely made it differ.
 
 At every ``optimizer.step()`` :meth:`WorkerAgreement.before_step` (the strategy's step pre-hook, after the
 gradients are reduced and the MEAN buffers averaged, before the update) runs the check of
-``distribute/agreement_step.py`` (what moved and what is forced, whole, and the rotating slice's piece the
-last update left: one C++ call and one all-reduce) and :meth:`WorkerAgreement.after_step` (the step
-post-hook) records the optimizer's own writes and hashes the update's piece: over the parameters and the
+``distribute/agreement_step.py`` (what moved and what is forced, whole, and this step's piece of the
+rotating slice: one C++ call and one all-reduce) and :meth:`WorkerAgreement.after_step` (the step
+post-hook) records the optimizer's own writes: over the parameters and the
 buffers not declared MEAN of the modules made in the scope, and the parameters of the stepping optimizer
 (tracked); the parameters of an optimizer no strategy watches, whole (forced: a model and optimizer made
 outside the scope, trained apart on every rank).
@@ -181,8 +181,8 @@ class WorkerAgreement:
         return f"a tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The step post-hook: the optimizer's own writes are not news at the next step; the piece of the
-        rotating slice this update wrote is hashed (in cache), for the next check."""
+        """The step post-hook: the optimizer's own writes are not news at the next step, whose check takes the
+        next piece of the rotating slice."""
         if self._stepping is not None and self._stepping() is optimizer:
             lists = self._lists.get(optimizer)
             if lists is not None:
