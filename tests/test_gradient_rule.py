@@ -338,3 +338,49 @@ def _mwms_divergence(rank: int, world: int, every: int) -> list[str]:
 def test_multi_worker_divergence_check_names_the_first_differing_parameter_and_the_step(every, when):
     for messages in run_ranks(_mwms_divergence, 2, args=(every,), timeout=90):
         assert len(messages) == 1 and "Sequential.1.bias" in messages[0] and when in messages[0], messages
+
+
+# --- MultiWorkerMirrored: the conformance matrix's per-rank writes (its "error (5)" cells) -----------------
+def _mwms_per_rank_writes(rank: int, world: int) -> dict[str, object]:
+    """Two workloads the in-process strategies name in their merge: a parameter written from each rank's own
+    values in the step, and ranks stepping different optimizers. Each rank's own batch; 12 steps at most."""
+    import torchstrategies as ts
+
+    out: dict[str, object] = {}
+    for case in ("manual", "optimizers"):
+        strategy = ts.MultiWorkerMirroredStrategy()
+        try:
+            with strategy.scope():
+                torch.manual_seed(0)
+                model = G._mlp()
+                opt_a = torch.optim.SGD(model[0].parameters(), lr=G.LR)
+                opt_b = torch.optim.SGD(model[2].parameters(), lr=G.LR)
+            out[case] = None
+            for step in range(1, 13):
+                x, y = G._data(10 * step + rank)
+                model.zero_grad()
+                C.Runner(strategy).loss((model(x) - y).pow(2).sum(1)).backward()
+                try:
+                    if case == "manual":
+                        with torch.no_grad():
+                            model[2].bias.add_(x.mean())   # each rank's own batch: the copies split
+                        opt_a.step()
+                    else:
+                        (opt_a if rank == 0 else opt_b).step()
+                except ts.errors.ReplicaDivergenceError as e:
+                    out[case] = {"step": step, "tensor": e.tensor, "message": str(e)}
+                    break
+        finally:
+            strategy.shutdown()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_multi_worker_per_rank_writes_and_ranks_stepping_different_optimizers_are_named():
+    for out in run_ranks(_mwms_per_rank_writes, 2, timeout=120):
+        manual, optimizers = out["manual"], out["optimizers"]
+        assert manual is not None and manual["step"] == 1, out                   # a counted write: at once
+        assert manual["tensor"] == "Sequential.2.bias", out
+        assert optimizers is not None and optimizers["step"] <= 1 + 10, out      # the rotating slice's bound
+        assert "differs between the ranks" in optimizers["message"], out
+        assert "ranks that step different optimizers" in optimizers["message"], out

@@ -43,8 +43,10 @@ _MOVED = (
     "all-reduce other values with ts.get_replica_context().all_reduce)")
 _UNCOUNTED = (
     "a write torch does not count (`p.data = ...`, a write through `p.data`, a kernel that bypasses the version "
-    "counter) with values that differ between the ranks. Write it from values that are the same on every rank, "
-    "in place under torch.no_grad() (then it is checked at the next step)")
+    "counter) with values that differ between the ranks, or an optimizer's update that came out differently on "
+    "some rank (ranks that step different optimizers, or an optimizer whose learning rate or state differs "
+    "between the ranks). Write it from values that are the same on every rank, in place under torch.no_grad() "
+    "(then it is checked at the next step), and step the same optimizers, set alike, on every rank")
 _RENORM = (
     "nn.Embedding(max_norm=...) renormalizes, in forward, the rows that this rank's batch looked up, so each "
     "rank renormalizes different rows. Drop max_norm, or renormalize the whole weight after optimizer.step(), "
