@@ -447,3 +447,18 @@ def test_instance_norm_running_statistics_are_averaged_and_match_one_device(stra
     want = _instance_norm_train(None)
     assert not torch.equal(want["1.running_mean"], torch.zeros(3))
     C.assert_same(got, want, "instance_norm")
+
+
+def test_the_per_step_walk_visits_the_modules_in_the_order_of_module_modules():
+    """``modules_of`` (the per-step walk's traversal, without names) is ``Module.modules()``: each module once
+    (a shared one at its first place), depth first, in registration order, None children skipped."""
+    from torchstrategies.strategies._agreement import modules_of
+
+    shared = torch.nn.Linear(2, 2)
+    root = torch.nn.Module()
+    root.a = torch.nn.Sequential(shared, torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Tanh(), shared))
+    root.b = shared
+    root.c = None
+    root.d = torch.nn.ModuleList([torch.nn.LSTM(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1))])
+    assert [id(m) for m in modules_of(root)] == [id(m) for m in root.modules()]
+    assert len(list(modules_of(root))) == 10   # root, a, shared, ReLU, a.2, Tanh, d, LSTM, d.1, d.1.0

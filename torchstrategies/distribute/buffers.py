@@ -69,7 +69,7 @@ def declare_buffer_aggregation(module: torch.nn.Module, name: str,
 
 def is_mean_buffer(module: torch.nn.Module, name: str) -> bool:
     """Whether the replicas' copies of ``module``'s buffer ``name`` are averaged (see the module doc)."""
-    declared = getattr(module, _ATTR, {}).get(name)
+    declared = vars(module).get(_ATTR, {}).get(name)   # (not getattr: a module's missing attribute raises inside)
     if declared is not None:
         return bool(declared is VariableAggregation.MEAN)
     return isinstance(module, _NormBase) and name in _NORM_STATISTICS

@@ -99,7 +99,7 @@ class WorkerAgreement:
         for root in (r() for r in self._modules):
             if root is not None and stepped is not None and not steps_with(root, stepped):
                 continue
-            for m in () if root is None else root.modules():
+            for m in () if root is None else modules_of(root):
                 for name, p in m._parameters.items():
                     if p is not None and id(p) not in seen:
                         seen.add(id(p))
@@ -205,6 +205,20 @@ class WorkerAgreement:
             self.ranks.raise_for([(self.describe(t)[0], t)], when, lambda t: self.cause(t, "slice"))
 
 
+def modules_of(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``root.modules()`` (each module once, depth first, in registration order) without the names that
+    ``named_modules`` builds for every module: the per-step walk's traversal."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+
+
 def steps_with(module: torch.nn.Module, stepped: set[int]) -> bool:
     """Whether a step of the optimizer over ``stepped`` (ids of its live parameters) concerns ``module``'s
     tensors: it has one of them, or no trainable parameter at all (a teacher, a parameterless normalization).
@@ -212,8 +226,10 @@ def steps_with(module: torch.nn.Module, stepped: set[int]) -> bool:
     collector has freed (a model of an earlier fold or sweep trial, kept alive by a reference cycle on one
     rank only, is not in it)."""
     trainable = False
-    for p in module.parameters():
-        if id(p) in stepped:
-            return True
-        trainable = trainable or p.requires_grad
+    for m in modules_of(module):
+        for p in m._parameters.values():
+            if p is not None:
+                if id(p) in stepped:
+                    return True
+                trainable = trainable or p.requires_grad
     return not trainable
