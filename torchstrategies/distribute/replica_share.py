@@ -11,7 +11,10 @@ gradient (a scale, a mask), wrong otherwise, and which it is can not be seen fro
   :func:`linear_gradient_hook` (then it is right as it is: ``sum_r fn(g_r) = fn(sum_r g_r)``);
 * ``nn.Embedding(scale_grad_by_freq=True)`` (``F.embedding`` / ``F.embedding_bag`` with it) raises in a
   training forward on such a parameter: it divides each row's gradient by that row's count in the
-  replica's batch, not in the global batch.
+  replica's batch, not in the global batch;
+* ``optimizer.step(closure)`` (``STEP_CLOSURE``, raised by each strategy for an optimizer it steps): the
+  optimizer acts on the loss the closure returns (LBFGS's stopping test and line search), which is the
+  replica's share, not the global loss; ranks that took different decisions from it would diverge.
 
 The strategies install the wrappers (``guard_register_hook``, ``guard_embedding``) with a predicate
 ``shared(param)``: "is this parameter's gradient a replica's share now".
@@ -25,9 +28,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
+__all__ = ["STEP_CLOSURE", "guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
 
 _LINEAR = "_torchstrategies_linear_gradient_hook"
+
+STEP_CLOSURE = (
+    "optimizer.step(closure) is not supported for an optimizer a strategy steps: the optimizer would act on the "
+    "loss the closure returns (e.g. LBFGS's stopping test and line search), and that is each replica's share of "
+    "the global batch's loss, not the global loss. Compute the loss and call backward() in the step function, "
+    "then call optimizer.step() without a closure (an optimizer that needs one, such as LBFGS, is not supported)"
+)
 
 Shared = Callable[[torch.Tensor], bool]
 
