@@ -12,6 +12,11 @@ reference).
   each replica's share; MultiWorkerMirrored ran it on each rank's share, silently).
 * ``add_param_group``: a second head joins the optimizer with its own lr after two steps.
 * ``optimizer_reload``: Adam's ``load_state_dict`` of a state saved two steps earlier, mid-training.
+* ``optimizer_in_backward``: one SGD per parameter, stepped in ``register_post_accumulate_grad_hook`` (the
+  PyTorch tutorial's memory saver; named error: the hook sees the replica's share. It failed with "modified
+  by an inplace operation" before).
+* ``post_accumulate_clamp``: ``p.grad.clamp_`` in a post-accumulate-grad hook (named error; silently wrong
+  before, and MultiWorkerMirrored's ranks ended with different optimizer state).
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ B = 12
 STEPS = 4
 F64 = torch.float64
 
-WORKLOADS = ("warm_restarts", "sequential_lr", "lbfgs_closure", "add_param_group", "optimizer_reload")
-ERRORS = {"lbfgs_closure": (ValueError, "optimizer.step(closure) is not supported for an optimizer a strategy steps")}
+WORKLOADS = ("warm_restarts", "sequential_lr", "lbfgs_closure", "add_param_group", "optimizer_reload",
+             "optimizer_in_backward", "post_accumulate_clamp")
+_POST = (RuntimeError, "runs when this replica's share of the gradient (the gradient of its rows) has accumulated")
+ERRORS = {"lbfgs_closure": (ValueError, "optimizer.step(closure) is not supported for an optimizer a strategy steps"),
+          "optimizer_in_backward": _POST, "post_accumulate_clamp": _POST}
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +63,7 @@ def train(workload: str, runner: Any) -> dict[str, torch.Tensor]:
     return {
         "warm_restarts": _scheduled, "sequential_lr": _scheduled, "lbfgs_closure": _lbfgs,
         "add_param_group": _add_param_group, "optimizer_reload": _optimizer_reload,
+        "optimizer_in_backward": _post_accumulate, "post_accumulate_clamp": _post_accumulate,
     }[workload](workload, runner)
 
 
@@ -143,4 +152,32 @@ def _optimizer_reload(workload: str, runner: Any) -> dict[str, torch.Tensor]:
         opt.step()
 
     _loop(runner, step_fn, between)
+    return _state(opt, model=model)
+
+
+def _post_accumulate(workload: str, runner: Any) -> dict[str, torch.Tensor]:
+    with runner.scope():
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        per_param = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    def clamp(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        p.grad.clamp_(-0.01, 0.01)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward if workload == "optimizer_in_backward" else clamp)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        if workload == "post_accumulate_clamp":
+            opt.zero_grad()
+        runner.loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+        if workload == "post_accumulate_clamp":
+            opt.step()
+
+    _loop(runner, step_fn)
     return _state(opt, model=model)

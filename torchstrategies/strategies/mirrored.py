@@ -204,6 +204,8 @@ PATCHES = PatchSet("in-process replicas", [
     lambda: wrap_scheduler_steps(_once_per_step, in_process_plateau_step),  # every class's own step
     lambda: wrap_attribute(torch.nn.Module, "__setattr__", _per_replica_setattr),
     lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(_in_replicas)),
+    lambda: wrap_attribute(torch.Tensor, "register_post_accumulate_grad_hook",
+                           guard_register_hook(_in_replicas, post_accumulate=True)),
     *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(_in_replicas))
       for name in ("embedding", "embedding_bag")),
 ])

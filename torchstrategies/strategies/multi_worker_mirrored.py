@@ -154,6 +154,8 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
             lambda: register_optimizer_step_post_hook(step_post_hook).remove,
             lambda: wrap_attribute(ReduceLROnPlateau, "step", plateau_step),
             lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(shared)),
+            lambda: wrap_attribute(torch.Tensor, "register_post_accumulate_grad_hook",
+                                   guard_register_hook(shared, post_accumulate=True)),
             *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(shared))
               for name in ("embedding", "embedding_bag")),
         ]).acquire(self))
