@@ -12,6 +12,8 @@ strategy; each either equals the reference (float64, 1e-9) or raises the named e
   by a reference cycle until the garbage collector runs (``Runner.collect_garbage``: on some ranks only).
 * ``frozen_on_one_replica``: the replica (rank) 1 alone calls ``requires_grad_(False)`` on a parameter
   (named error under MultiWorkerMirrored).
+* tests/_conformance_optim.py's: schedulers with a ``step`` of their own, ``step(closure)`` (LBFGS),
+  ``add_param_group`` and an optimizer's ``load_state_dict`` mid-training.
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests import _conformance_optim as _optim
+
 B = 12  # splits evenly over 1, 2 and 3 replicas
 LR = 0.05
 STEPS = 4
 F64 = torch.float64
 
 WORKLOADS = ("plateau_global", "plateau_local", "stateful_gru", "clamp_hook", "linear_hook",
-             "scale_grad_by_freq", "several_models", "frozen_on_one_replica")
+             "scale_grad_by_freq", "several_models", "frozen_on_one_replica", *_optim.WORKLOADS)
 # workload -> (error type, text it contains) under a strategy with several replicas; MultiWorkerMirrored's own
 # in MW_ERRORS where it differs.
 ERRORS = {
     "plateau_local": (ValueError, "ReduceLROnPlateau.step(metric) got different metrics"),
     "clamp_hook": (RuntimeError, "runs on each replica's share of the gradient"),
     "scale_grad_by_freq": (RuntimeError, "scale_grad_by_freq=True"),
+    **_optim.ERRORS,
 }
 MW_ERRORS = {
     **ERRORS,
@@ -105,6 +110,8 @@ def _state(**modules: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(workload: str, runner: Runner) -> dict[str, torch.Tensor]:
+    if workload in _optim.WORKLOADS:
+        return _optim.train(workload, runner)
     torch.manual_seed(0)
     return {
         "plateau_global": _plateau, "plateau_local": _plateau, "stateful_gru": _stateful_gru,

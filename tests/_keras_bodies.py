@@ -306,3 +306,27 @@ def mwms_replica_ids(rank: int, world: int) -> dict[str, Any]:
         return {"fit": sorted({r for _, r in seen}, key=str), "run": in_run}
     finally:
         strategy.shutdown()
+
+
+def accumulated(strategy_name: str | None) -> list[np.ndarray]:
+    """Fits the float64 MLP with ``SGD(gradient_accumulation_steps=2)`` (Keras' ``optimizer.iterations`` is then a
+    tensor, not a variable) on the global batches, without a strategy (None) or under one; its weights."""
+    import keras
+
+    strategy = None if strategy_name is None else _strategy(strategy_name)
+    floatx = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    try:
+        keras.utils.set_random_seed(0)
+        if strategy is None:
+            model = build("mlp")
+        else:
+            with strategy.scope():
+                model = build("mlp")
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5, gradient_accumulation_steps=2), loss="mse")
+        x, y = data()
+        model.fit(x.astype("float64"), y.astype("float64"), batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                  verbose=0)
+        return [np.asarray(w) for w in model.get_weights()]
+    finally:
+        keras.config.set_floatx(floatx)

@@ -104,3 +104,42 @@ def test_multi_worker_mirrored_matches_one_device_or_names_the_pattern(world):
         except AssertionError as e:
             failures.append(f"{workload}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
+
+
+def _train_with_own_scheduler(scheduler_class: type) -> tuple[int, float]:
+    """Two steps under Mirrored(3) with ``scheduler_class`` stepped in the step; its epoch and the lr."""
+    strategy = ts.MirroredStrategy(num_replicas=3)
+    with strategy.scope():
+        model = torch.nn.Linear(2, 1).double()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = scheduler_class(opt)  # (its constructor's first step: outside run, once)
+
+    def step_fn(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        ts.compute_average_loss(model(x).sum(1), global_batch_size=6).backward()
+        opt.step()
+        sched.step()
+
+    for _ in range(2):
+        strategy.run(step_fn, args=P.Runner(strategy).split(torch.ones(6, 2, dtype=torch.float64)))
+    return sched.last_epoch, opt.param_groups[0]["lr"]
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduler_class_defined_while_a_strategy_lives_steps_once_per_step_and_is_restored():
+    import gc
+
+    holder = ts.MirroredStrategy(num_replicas=2)  # the in-process patches are installed from here on
+
+    class Halving(torch.optim.lr_scheduler.LRScheduler):  # a step of its own that never calls the base one
+        def step(self, epoch: int | None = None) -> None:
+            self.last_epoch += 1
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 0.5
+
+    own_step = Halving.__dict__["step"].__wrapped__  # wrapped when the class was made
+    assert _train_with_own_scheduler(Halving) == (2, 0.125)  # 1 + one step per training step, not per replica
+    del holder
+    gc.collect()
+    assert Halving.__dict__["step"] is own_step
+    assert "__init_subclass__" not in vars(torch.optim.lr_scheduler.LRScheduler)

@@ -232,3 +232,11 @@ def test_inside_fit_under_multi_worker_the_replica_id_is_the_rank_as_in_strategy
     scope) and evaluate."""
     for rank, got in enumerate(run_ranks(K.mwms_replica_ids, world, timeout=200)):
         assert got == {"fit": [rank], "run": rank}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy_name", ["mirrored3", "central_storage2"])
+def test_fit_with_gradient_accumulation_steps_trains_as_one_process(strategy_name):
+    # (optimizer.iterations is a tensor computed from a variable then: the strategy read `.value` of it)
+    for got, want in zip(K.accumulated(strategy_name), K.accumulated(None), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)  # Keras' float64 loss: note 12 of the matrix

@@ -217,7 +217,7 @@ def test_the_fold_sums_into_replica_0s_own_gradient_with_every_aggregation_metho
         if p is lin.weight:
             made[ts.get_replica_context().replica_id_in_sync_group] = p.grad
 
-    hook = lin.weight.register_post_accumulate_grad_hook(keep)
+    hook = lin.weight.register_post_accumulate_grad_hook(ts.linear_gradient_hook(keep))  # (it only reads)
 
     def step(xb):
         ts.compute_average_loss(lin(xb).pow(2).sum(1), global_batch_size=B).backward()

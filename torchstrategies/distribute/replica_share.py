@@ -5,13 +5,17 @@ Every replica computes the gradient of its own rows; the strategy sums them. Wha
 gradient before that sum gets ``g_r`` where one device gets ``sum_r g_r``: right when it is linear in the
 gradient (a scale, a mask), wrong otherwise, and which it is can not be seen from the outside. So:
 
-* a gradient hook on a parameter (``p.register_hook(fn)``) raises ``RuntimeError`` the first time it runs
+* a gradient hook on a parameter (``p.register_hook(fn)``, and ``p.register_post_accumulate_grad_hook(fn)``,
+  which runs when the replica's share has accumulated in ``p.grad``) raises ``RuntimeError`` the first time it runs
   on a replica's share (in-process: inside a replica of a strategy with several; MultiWorkerMirrored: on a
   parameter it synchronizes, with several workers), unless it was declared linear with
   :func:`linear_gradient_hook` (then it is right as it is: ``sum_r fn(g_r) = fn(sum_r g_r)``);
 * ``nn.Embedding(scale_grad_by_freq=True)`` (``F.embedding`` / ``F.embedding_bag`` with it) raises in a
   training forward on such a parameter: it divides each row's gradient by that row's count in the
-  replica's batch, not in the global batch.
+  replica's batch, not in the global batch;
+* ``optimizer.step(closure)`` (``STEP_CLOSURE``, raised by each strategy for an optimizer it steps): the
+  optimizer acts on the loss the closure returns (LBFGS's stopping test and line search), which is the
+  replica's share, not the global loss; ranks that took different decisions from it would diverge.
 
 The strategies install the wrappers (``guard_register_hook``, ``guard_embedding``) with a predicate
 ``shared(param)``: "is this parameter's gradient a replica's share now".
@@ -25,9 +29,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
+__all__ = ["STEP_CLOSURE", "guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
 
 _LINEAR = "_torchstrategies_linear_gradient_hook"
+
+STEP_CLOSURE = (
+    "optimizer.step(closure) is not supported for an optimizer a strategy steps: the optimizer would act on the "
+    "loss the closure returns (e.g. LBFGS's stopping test and line search), and that is each replica's share of "
+    "the global batch's loss, not the global loss. Compute the loss and call backward() in the step function, "
+    "then call optimizer.step() without a closure (an optimizer that needs one, such as LBFGS, is not supported)"
+)
 
 Shared = Callable[[torch.Tensor], bool]
 
@@ -55,8 +66,18 @@ def is_linear_gradient_hook(hook: object) -> bool:
     return bool(getattr(hook, _LINEAR, False))
 
 
-def _hook_error(param: torch.Tensor, hook: object) -> RuntimeError:
+def _hook_error(param: torch.Tensor, hook: object, post_accumulate: bool) -> RuntimeError:
     name = getattr(hook, "__qualname__", None) or repr(hook)
+    if post_accumulate:
+        return RuntimeError(
+            f"The post-accumulate-grad hook {name} on a parameter of shape {tuple(param.shape)} runs when this "
+            "replica's share of the gradient (the gradient of its rows) has accumulated in p.grad, before the "
+            "strategy sums the replicas' shares, not on the global batch's gradient as on one device: what it does "
+            "with p.grad (clipping, an optimizer step fused into backward) acts on a share. Do it after "
+            "loss.backward(), where every .grad is the global gradient (e.g. call the per-parameter optimizers' "
+            "step() there). A hook linear in the gradient (scaling p.grad in place): declare it, "
+            "p.register_post_accumulate_grad_hook(ts.linear_gradient_hook(fn))"
+        )
     return RuntimeError(
         f"The gradient hook {name} on a parameter of shape {tuple(param.shape)} runs on each replica's share of "
         "the gradient (the gradient of that replica's rows), not on the global batch's as on one device; the "
@@ -67,9 +88,12 @@ def _hook_error(param: torch.Tensor, hook: object) -> RuntimeError:
     )
 
 
-def guard_register_hook(shared: Shared) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The wrapper of ``torch.Tensor.register_hook``: a hook on a parameter that is not declared linear
-    raises when it runs on a replica's share (``shared(param)``)."""
+def guard_register_hook(shared: Shared, post_accumulate: bool = False
+                        ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The wrapper of ``torch.Tensor.register_hook`` (``post_accumulate``: of
+    ``register_post_accumulate_grad_hook``, whose hook gets the parameter after its ``.grad`` accumulated): a
+    hook on a parameter that is not declared linear raises when it runs on a replica's share
+    (``shared(param)``). The strategies' own hooks are declared linear."""
 
     def wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(orig)
@@ -79,10 +103,10 @@ def guard_register_hook(shared: Shared) -> Callable[[Callable[..., Any]], Callab
             param = self
 
             @functools.wraps(hook)
-            def checked(grad: torch.Tensor) -> Any:
+            def checked(arg: torch.Tensor) -> Any:   # (the gradient, or the parameter after accumulation)
                 if shared(param):
-                    raise _hook_error(param, hook)
-                return hook(grad)
+                    raise _hook_error(param, hook, post_accumulate)
+                return hook(arg)
 
             return orig(self, checked)
 

@@ -260,7 +260,8 @@ class GradientSynchronizer:
             if self._autograd_hooks and id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 self._hooks.append(p.register_hook(linear_gradient_hook(self._make_pre_hook())))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hooks.append(p.register_post_accumulate_grad_hook(  # (the strategy's own: not guarded)
+                    linear_gradient_hook(self._on_grad_ready)))
         for p, g in old:
             if self._located(p) is not None:
                 self._keep_reduced(p, g)

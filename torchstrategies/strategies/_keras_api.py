@@ -45,7 +45,7 @@ class KerasOptimizer(Protocol):
     """A Keras optimizer: its step count and the update from gradients."""
 
     @property
-    def iterations(self) -> KerasVariable: ...
+    def iterations(self) -> KerasVariable | torch.Tensor: ...  # a tensor with gradient_accumulation_steps
 
     def apply(self, grads: Sequence[torch.Tensor | None], trainable_variables: Sequence[KerasVariable] | None = None
               ) -> object: ...
@@ -220,8 +220,12 @@ def compiled(model: KerasModel) -> CompiledModel:
 
 
 def iterations(opt: KerasOptimizer | None) -> int | None:
-    """The steps ``opt`` has applied (None: no optimizer, as ``evaluate`` of a model compiled without one)."""
-    return None if opt is None else int(opt.iterations.value)
+    """The steps ``opt`` has applied (None: no optimizer, as ``evaluate`` of a model compiled without one). A
+    Keras variable, or with ``gradient_accumulation_steps`` a tensor computed from one."""
+    if opt is None:
+        return None
+    steps = opt.iterations
+    return int(steps if isinstance(steps, torch.Tensor) else steps.value)
 
 
 def override(obj: object, name: Overridden, fn: Callable[..., Any] | object) -> None:

@@ -2,7 +2,9 @@
 ``all_reduce_tensors``, ``all_gather_parts``, ``barrier``, and the core's ``reduce_to`` / ``gather``): each
 goes through the strategy's one process group (its ``CollectiveAllReduce``), and a failure is named by the
 strategy's ``HealthMonitor`` (which peer, which operation). Gradients do not pass here: they go through
-the gradient synchronizer's hook (``_grad_sync.py``) on the same group."""
+the gradient synchronizer's hook (``_grad_sync.py``) on the same group. A call made inside a function
+``torch.compile`` traces (a compiled step function: the optimizer step's pre-hook, ``all_reduce`` in the
+step) runs eagerly: dynamo breaks the graph there."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class WorkerCollectives(StrategyExtended):
     _cross_device_ops: CollectiveAllReduce
     _health: HealthMonitor
 
+    @torch.compiler.disable   # run eagerly inside a compiled function (dynamo cannot trace a ProcessGroup)
     def _guard(self, fn: Callable[[], T], what: str, started: bool = True) -> T:
         self._health.seq += started   # (a wait for a collective started earlier is not a new one)
         try:

@@ -47,7 +47,7 @@ from torchstrategies.distribute.mirrored_run import (
     merge_call,
     replicas_running,
 )
-from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
+from torchstrategies.distribute.replica_share import STEP_CLOSURE, guard_embedding, guard_register_hook
 from torchstrategies.distribute.replicated import ReplicatedTensors
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.distribute.values import Destinations, DistributedValues, Reducible, local_results
@@ -56,17 +56,13 @@ from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
 from torchstrategies.strategies._metric_schedulers import in_process_plateau_step
 from torchstrategies.strategies._mw_input import ReplicaSplitDataset, is_map_style_loader, loader_seed
+from torchstrategies.strategies._scheduler_steps import wrap_scheduler_steps
 from torchstrategies.strategies.one_device import canonical_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchstrategies.collectives.options import CommunicationOptions
 
 __all__ = ["MirroredStrategy", "MirroredExtended"]
-
-_STEP_CLOSURE = (
-    "optimizer.step(closure) is not supported inside strategy.run: compute the loss and call backward() in the "
-    "step function, then optimizer.step()"
-)
 
 
 def _default_devices() -> list[str]:
@@ -205,10 +201,11 @@ PATCHES = PatchSet("in-process replicas", [
     lambda: wrap_attribute(torch.autograd, "backward", _synced_backward),
     *(functools.partial(wrap_attribute, torch.amp.GradScaler, name, _once_per_step)
       for name in ("unscale_", "step", "update")),
-    lambda: wrap_attribute(torch.optim.lr_scheduler.LRScheduler, "step", _once_per_step),
-    lambda: wrap_attribute(torch.optim.lr_scheduler.ReduceLROnPlateau, "step", in_process_plateau_step),
+    lambda: wrap_scheduler_steps(_once_per_step, in_process_plateau_step),  # every class's own step
     lambda: wrap_attribute(torch.nn.Module, "__setattr__", _per_replica_setattr),
     lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(_in_replicas)),
+    lambda: wrap_attribute(torch.Tensor, "register_post_accumulate_grad_hook",
+                           guard_register_hook(_in_replicas, post_accumulate=True)),
     *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(_in_replicas))
       for name in ("embedding", "embedding_bag")),
 ])
@@ -385,7 +382,7 @@ def _merged_step(orig: Callable[..., Any]) -> Callable[..., Any]:
         replica = current_replica()
         if replica is not None and replica.run.replicated is replicated:
             if any(a is not None for a in (*args, *kwargs.values())):
-                raise ValueError(_STEP_CLOSURE)
+                raise ValueError(STEP_CLOSURE)
             return merge_call(replica, _update_of(self), (), {})
         result = orig(self, *args, **kwargs)
         replicated.mark_written([p for g in self.param_groups for p in g["params"]])

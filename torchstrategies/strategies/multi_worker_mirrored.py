@@ -49,7 +49,7 @@ from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.distribute.input_lib import InputOptions
-from torchstrategies.distribute.replica_share import guard_embedding, guard_register_hook
+from torchstrategies.distribute.replica_share import STEP_CLOSURE, guard_embedding, guard_register_hook
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
@@ -154,6 +154,8 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
             lambda: register_optimizer_step_post_hook(step_post_hook).remove,
             lambda: wrap_attribute(ReduceLROnPlateau, "step", plateau_step),
             lambda: wrap_attribute(torch.Tensor, "register_hook", guard_register_hook(shared)),
+            lambda: wrap_attribute(torch.Tensor, "register_post_accumulate_grad_hook",
+                                   guard_register_hook(shared, post_accumulate=True)),
             *(functools.partial(wrap_attribute, torch.nn.functional, name, guard_embedding(shared))
               for name in ("embedding", "embedding_bag")),
         ]).acquire(self))
@@ -285,6 +287,9 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         model and optimizer were made outside the scope, every rank trains a model of its own, and its
         parameters are compared across the ranks (issue 46, case 5). The check raises ReplicaDivergenceError on
         every rank, before the update; the post-hook records the optimizer's own writes."""
+        closure = any(a is not None for a in (*cast(tuple, args)[1:], *cast(dict, kwargs).values()))  # ([0]: self)
+        if closure and self._world > 1 and self.owns_optimizer(optimizer):
+            raise ValueError(STEP_CLOSURE)   # (the same on every rank: before any collective of the step)
         watched = self._synchronizers.before_step(optimizer)
         held = self.agreement.held(optimizer) if watched else None   # one walk of the modules a step
         if held is not None:

@@ -52,6 +52,7 @@ import torch
 
 from torchstrategies.collectives import CommunicationImplementation
 from torchstrategies.distribute.buffers import is_mean_buffer
+from torchstrategies.distribute.replica_share import linear_gradient_hook
 from torchstrategies.errors import (
     CancelledError,
     CollectiveAfterCommitError,
@@ -325,7 +326,8 @@ class TransactionalLoop:
             views = {id(p): v for f in self._flats for p, v in zip(f.params, f.views)}
             for h in self._hooks:
                 h.remove()
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad(i, views[id(p)]))
+            self._hooks = [p.register_post_accumulate_grad_hook(  # (the strategy's own: not guarded)
+                               linear_gradient_hook(self._on_grad(i, views[id(p)])))
                            for i, p in enumerate(params)]
         return self._flats
 
