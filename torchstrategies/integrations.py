@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchstrategies.collectives.backend import BACKEND
+from torchstrategies.strategies._mw_cluster import import_dynamo_first
 
 __all__ = ["init_process_group", "launched", "accelerator", "training_arguments"]
 
@@ -47,6 +48,7 @@ def init_process_group(timeout_seconds: float | None = None) -> None:
                              f"torchstrategies.integrations before anything initializes torch.distributed")
         return
     timeout = None if timeout_seconds is None else datetime.timedelta(seconds=float(timeout_seconds))
+    import_dynamo_first()   # before the group: else its gloo threads may abort the exit (_mw_cluster.py)
     try:
         dist.init_process_group(BACKEND, timeout=timeout)
     except ValueError as exc:

@@ -45,6 +45,7 @@ from torchstrategies.bench.loopback import LoopbackRing, ring_bytes
 from torchstrategies.bench.report import median
 from torchstrategies.collectives import topology
 from torchstrategies.collectives.backend import shm_slot_bytes  # the backend's slots: the same algorithm
+from torchstrategies.strategies._mw_cluster import import_dynamo_first
 
 ROOFLINE = "loopback-roofline"
 SHM_IMPLS = ("shm", "shm-comm", "shm-zero-copy")
@@ -259,6 +260,7 @@ def _progress(enabled: bool, round_: int, labels: list[str], label: str) -> None
 def main() -> None:
     a = _parse()
     _simulate_hosts(a.simulate_hosts)
+    import_dynamo_first()   # before the group: else its gloo threads may abort the exit (_mw_cluster.py)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     hosts: list[object] = [None] * world

@@ -188,8 +188,11 @@ def _worker(args: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from torchstrategies.strategies._mw_cluster import import_dynamo_first
+
     for mod in RUNNER_MODULES + list(args.get("modules", [])):
         importlib.import_module(mod)
+    import_dynamo_first()   # before the group: else its gloo threads may abort the exit (_mw_cluster.py)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = BenchContext(rank, world, args["batch"])

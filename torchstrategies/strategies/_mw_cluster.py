@@ -21,7 +21,7 @@ from torchstrategies.cluster_resolver import (
 from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.errors import UnavailableError
 
-__all__ = ["JoinedCluster", "join_cluster"]
+__all__ = ["JoinedCluster", "join_cluster", "import_dynamo_first"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def join_cluster(cluster_resolver: ClusterResolver | None, process_group: dist.P
             cluster_resolver = _default_resolver()
         rank, world = cluster_resolver.rank, cluster_resolver.world_size
     device = _pick_device(cluster_resolver)
-    _import_dynamo_first()
+    import_dynamo_first()
     if not dist.is_initialized():
         store = _init_process_group(cluster_resolver, device, options)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,7 +118,7 @@ def _default_resolver() -> ClusterResolver:
     return TFConfigClusterResolver()
 
 
-def _import_dynamo_first() -> None:
+def import_dynamo_first() -> None:
     """Imports torch._dynamo before the strategy makes any process group.
 
     torch 2.13 keeps a process group that existed when torch._dynamo was first imported alive after
@@ -127,7 +127,8 @@ def _import_dynamo_first() -> None:
     alive that way still has its worker threads at interpreter exit; one that frees its last work item
     during finalization aborts the process ("terminate called without an active exception", exit -6 under
     torchrun). Importing it first costs nothing extra when an optimizer follows, and lets ``shutdown()``
-    free the groups and their threads.
+    free the groups and their threads. Whoever makes a group with ``dist.init_process_group`` (the bench
+    workers, ``integrations.init_process_group``) calls it first too.
     """
     try:
         import torch._dynamo  # noqa: F401
