@@ -8,8 +8,9 @@ reference).
   of its own: it was advanced once per replica, silently).
 * ``sequential_lr``: ``SequentialLR`` of a ``LinearLR`` warm-up and an ``ExponentialLR`` (a ``step`` of its own
   that steps its children: a merge_call mismatch before).
-* ``lbfgs_closure``: ``torch.optim.LBFGS`` with ``step(closure)`` (named error: it acts on the closure's loss,
-  each replica's share; MultiWorkerMirrored ran it on each rank's share, silently).
+* ``lbfgs_closure``: ``torch.optim.LBFGS`` with ``step(closure)``: under MultiWorkerMirrored equal to one device
+  (the closure's loss summed over the ranks; before, each rank's line search ran on its own share and the
+  ranks drifted apart, silently); in-process a named error (the replicas share one optimizer).
 * ``add_param_group``: a second head joins the optimizer with its own lr after two steps.
 * ``optimizer_reload``: Adam's ``load_state_dict`` of a state saved two steps earlier, mid-training.
 * ``optimizer_in_backward``: one SGD per parameter, stepped in ``register_post_accumulate_grad_hook`` (the
@@ -35,7 +36,7 @@ F64 = torch.float64
 WORKLOADS = ("warm_restarts", "sequential_lr", "lbfgs_closure", "add_param_group", "optimizer_reload",
              "optimizer_in_backward", "post_accumulate_clamp")
 _POST = (RuntimeError, "runs when this replica's share of the gradient (the gradient of its rows) has accumulated")
-ERRORS = {"lbfgs_closure": (ValueError, "optimizer.step(closure) is not supported for an optimizer a strategy steps"),
+ERRORS = {"lbfgs_closure": (ValueError, "optimizer.step(closure) is not supported inside run of a strategy with"),
           "optimizer_in_backward": _POST, "post_accumulate_clamp": _POST}
 
 

@@ -44,7 +44,7 @@ ERRORS = {
     **_optim.ERRORS,
 }
 MW_ERRORS = {
-    **ERRORS,
+    **{k: v for k, v in ERRORS.items() if k != "lbfgs_closure"},   # MWMS sums the closure's loss: one device's
     "frozen_on_one_replica": (ValueError, "on rank 1, since the last gradient all-reduce, parameter "
                                           "Sequential.0.weight was frozen"),
 }

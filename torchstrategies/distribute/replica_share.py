@@ -13,9 +13,11 @@ gradient (a scale, a mask), wrong otherwise, and which it is can not be seen fro
 * ``nn.Embedding(scale_grad_by_freq=True)`` (``F.embedding`` / ``F.embedding_bag`` with it) raises in a
   training forward on such a parameter: it divides each row's gradient by that row's count in the
   replica's batch, not in the global batch;
-* ``optimizer.step(closure)`` (``STEP_CLOSURE``, raised by each strategy for an optimizer it steps): the
-  optimizer acts on the loss the closure returns (LBFGS's stopping test and line search), which is the
-  replica's share, not the global loss; ranks that took different decisions from it would diverge.
+* ``optimizer.step(closure)``: the optimizer acts on the loss the closure returns (LBFGS's stopping test and
+  line search), which is the replica's share, not the global loss. MultiWorkerMirrored gives the optimizer
+  the closure with its loss summed over the workers (:func:`with_global_loss`: one device's loss, as the
+  gradients are one device's); inside ``run`` of an in-process strategy, whose replicas share one optimizer
+  and call it once in a merge, it raises ``ValueError(STEP_CLOSURE)``.
 
 The strategies install the wrappers (``guard_register_hook``, ``guard_embedding``) with a predicate
 ``shared(param)``: "is this parameter's gradient a replica's share now".
@@ -29,16 +31,39 @@ from typing import Any
 
 import torch
 
-__all__ = ["STEP_CLOSURE", "guard_embedding", "guard_register_hook", "is_linear_gradient_hook", "linear_gradient_hook"]
+__all__ = ["STEP_CLOSURE", "StepArgs", "guard_embedding", "guard_register_hook", "is_linear_gradient_hook",
+           "linear_gradient_hook", "with_global_loss"]
 
 _LINEAR = "_torchstrategies_linear_gradient_hook"
 
 STEP_CLOSURE = (
-    "optimizer.step(closure) is not supported for an optimizer a strategy steps: the optimizer would act on the "
-    "loss the closure returns (e.g. LBFGS's stopping test and line search), and that is each replica's share of "
-    "the global batch's loss, not the global loss. Compute the loss and call backward() in the step function, "
-    "then call optimizer.step() without a closure (an optimizer that needs one, such as LBFGS, is not supported)"
+    "optimizer.step(closure) is not supported inside run of a strategy with several replicas in one process: "
+    "the replicas share the optimizer and step it once, in a merge, while the closure would compute one "
+    "replica's share of the global batch's loss (e.g. LBFGS's stopping test and line search act on it). "
+    "Compute the loss and call backward() in the step function, then call optimizer.step() without a "
+    "closure; an optimizer that needs one, such as LBFGS, trains under MultiWorkerMirroredStrategy (one "
+    "process per replica), where the closure's loss is summed over the workers"
 )
+
+# An optimizer step pre-hook's (args, kwargs): args[0] is the optimizer, args[1] (or kwargs["closure"]) the closure.
+StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def with_global_loss(args: tuple[Any, ...], kwargs: dict[str, Any],
+                     reduce: Callable[[Any], Any]) -> StepArgs | None:
+    """For ``optimizer.step(closure)``: the pre-hook's new arguments, with the closure wrapped so that the loss it
+    returns is ``reduce(loss)`` (the loss summed over the workers); None for a step without a closure."""
+    def wrap(closure: Callable[[], Any]) -> Callable[[], Any]:
+        @functools.wraps(closure)
+        def global_closure() -> Any:
+            return reduce(closure())
+        return global_closure
+
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], wrap(args[1]), *args[2:]), kwargs
+    if kwargs.get("closure") is not None:
+        return args, {**kwargs, "closure": wrap(kwargs["closure"])}
+    return None
 
 Shared = Callable[[torch.Tensor], bool]
 

@@ -49,7 +49,12 @@ from torchstrategies.collectives import CommunicationOptions
 from torchstrategies.distribute.collective_all_reduce import CollectiveAllReduce
 from torchstrategies.distribute.distribute_lib import Strategy
 from torchstrategies.distribute.input_lib import InputOptions
-from torchstrategies.distribute.replica_share import STEP_CLOSURE, guard_embedding, guard_register_hook
+from torchstrategies.distribute.replica_share import (
+    StepArgs,
+    guard_embedding,
+    guard_register_hook,
+    with_global_loss,
+)
 from torchstrategies.distribute.torch_patches import PatchSet, wrap_attribute
 from torchstrategies.reduce_op import ReduceOp
 from torchstrategies.strategies import _keras
@@ -137,10 +142,9 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         before_step = weakref.WeakMethod(self._before_step)   # the hooks must not keep the strategy alive
         after_step = weakref.WeakMethod(self._after_step)
 
-        def step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        def step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> StepArgs | None:
             method = before_step()
-            if method is not None:
-                method(optimizer, args, kwargs)
+            return None if method is None else method(optimizer, args, kwargs)
 
         def step_post_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
             method = after_step()
@@ -278,7 +282,7 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
     def _parameter_name(self, param: torch.Tensor) -> str:
         return next((n for n, p in self.named_parameters() if p is param), f"of shape {tuple(param.shape)}")
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> StepArgs | None:
         """The optimizer step pre-hook: every gradient the step applies is the cross-worker sum
         (``_step_sync.py``), the MEAN buffers of the modules it trains are averaged (the one point per step where
         buffers are synchronized, docs/strategies.md), and the agreement check runs (``_agreement.py``). An
@@ -286,16 +290,29 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         model, stepped on some ranks only: left alone), unless the strategy watches nothing at all: then the
         model and optimizer were made outside the scope, every rank trains a model of its own, and its
         parameters are compared across the ranks (issue 46, case 5). The check raises ReplicaDivergenceError on
-        every rank, before the update; the post-hook records the optimizer's own writes."""
-        closure = any(a is not None for a in (*cast(tuple, args)[1:], *cast(dict, kwargs).values()))  # ([0]: self)
-        if closure and self._world > 1 and self.owns_optimizer(optimizer):
-            raise ValueError(STEP_CLOSURE)   # (the same on every rank: before any collective of the step)
+        every rank, before the update; the post-hook records the optimizer's own writes.
+
+        ``optimizer.step(closure)`` (LBFGS) gets the closure with its loss summed over the workers (returned:
+        the hook's new arguments): each worker's loss is its share of the global batch's (``compute_average_loss``)
+        and every gradient the closure's ``backward()`` leaves is the global one, so every worker's optimizer
+        sees the loss and gradients of one device on the global batch and takes the same decisions (LBFGS's
+        stopping test and line search)."""
         watched = self._synchronizers.before_step(optimizer)
         held = self.agreement.held(optimizer) if watched else None   # one walk of the modules a step
         if held is not None:
             average_mean_buffers(held.mean, self.all_reduce_tensors)
         if watched or not self._synchronizers.live():
             self.agreement.before_step(optimizer, held)
+        if watched and self._world > 1:
+            return with_global_loss(cast(tuple, args), cast(dict, kwargs), self._global_loss)
+        return None
+
+    def _global_loss(self, loss: object) -> object:
+        """A closure's loss summed over the workers (every worker calls its closure as often: the same loss and
+        gradients everywhere make the same decisions); what is not a tensor (None) is returned as it is."""
+        if not isinstance(loss, torch.Tensor):
+            return loss
+        return self.all_reduce_tensors(ReduceOp.SUM, [loss.detach()])[0]
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.agreement.after_step(optimizer)   # the optimizer's own writes are no news at the next step
