@@ -4,7 +4,8 @@ goes through the strategy's one process group (its ``CollectiveAllReduce``), and
 strategy's ``HealthMonitor`` (which peer, which operation). Gradients do not pass here: they go through
 the gradient synchronizer's hook (``_grad_sync.py``) on the same group. A call made inside a function
 ``torch.compile`` traces (a compiled step function: the optimizer step's pre-hook, ``all_reduce`` in the
-step) runs eagerly: dynamo breaks the graph there."""
+step) runs eagerly: dynamo breaks the graph there (the strategy wraps ``_guard`` in ``torch.compiler.disable``
+when it is made, not at import: see ``MultiWorkerMirroredExtended.__init__``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ class WorkerCollectives(StrategyExtended):
     _cross_device_ops: CollectiveAllReduce
     _health: HealthMonitor
 
-    @torch.compiler.disable   # run eagerly inside a compiled function (dynamo cannot trace a ProcessGroup)
     def _guard(self, fn: Callable[[], T], what: str, started: bool = True) -> T:
         self._health.seq += started   # (a wait for a collective started earlier is not a new one)
         try:

@@ -117,6 +117,11 @@ class MultiWorkerMirroredExtended(WorkerCollectives):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {process_group!r}")
         joined = join_cluster(cluster_resolver, process_group, self._options)  # (strategies/_mw_cluster.py)
+        # Every cross-worker call runs eagerly inside a compiled function (dynamo cannot trace a ProcessGroup).
+        # Wrapped here, where join_cluster has imported torch._dynamo, not at import: importing torchstrategies
+        # must not import torch._dynamo after a user's process group exists (it would keep that group alive
+        # past destroy_process_group, docs/collectives.md).
+        self._guard = torch.compiler.disable(self._guard)  # type: ignore[method-assign]
         self._cluster_resolver, self._device = joined.resolver, joined.device
         self._store: dist.Store | None = joined.store
         self._owns_process_group = joined.owns_process_group
