@@ -22,7 +22,7 @@ $(DEPS_STAMP): $(PY) Makefile
 	$(PY) -m pip install -q "$(TORCH)" pybind11 ninja "setuptools>=77" wheel packaging numpy \
 		pytest pytest-timeout scikit-learn matplotlib rich click tqdm \
 		cloudpickle psutil "grpcio>=1.60" "grpcio-health-checking>=1.60" "protobuf>=4.21" \
-		ruff mypy accelerate transformers lightning "keras>=3.15"
+		ruff mypy accelerate transformers lightning "keras>=3.15" "xxhash>=3"
 	touch $@
 
 # The editable install is the Python package only: pip's editable build would compile the extension in a

@@ -1,6 +1,6 @@
 """hash_tensors (csrc/core/hash.h): the agreement seam's fingerprint, against the pure-Python definition.
 
-Exact (bit for bit against tests/reference.py's XXH64-based definition of the bytes), order-sensitive
+Exact (bit for bit against tests/reference.py's XXH3-based definition of the bytes), order-sensitive
 (a swap of two rows and any one-bit flip change it), the same for every thread count, CPU and CUDA alike.
 """
 
@@ -27,10 +27,25 @@ def _tensor(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return x.to(dtype)
 
 
-def test_xxh64_reference_matches_the_published_test_vectors():
-    assert ref.xxh64(b"", 0) == 0xEF46DB3751D8E999
-    assert ref.xxh64(b"a", 0) == 0xD24EC4F1A98C6E5B
-    assert ref.xxh64(b"abc", 0) == 0x44BC2CF5AD770999
+def test_xxh3_reference_matches_the_xxhash_library():
+    # Values of the reference library (libxxhash 0.8, XXH3_64bits_withSeed) for every length class of XXH3:
+    # empty, 1-3, 4-8 (none here: the next test covers it), 17-240 and over 240 bytes, seeded and not.
+    assert ref.xxh3_64(b"", 0) == 0x2D06800538D394C2
+    assert ref.xxh3_64(b"a", 0) == 0xE6C632B61E964E1F
+    assert ref.xxh3_64(b"abc", 0) == 0x78AF5F94892F3950
+    assert ref.xxh3_64(b"abc", 1) == 0x6B4467B443C76228
+    assert ref.xxh3_64(bytes(range(200)), 0) == 0xF42A8864FEAF0703
+    assert ref.xxh3_64(bytes(range(256)) * 2, 0) == 0x1059105AD19BFA09
+    assert ref.xxh3_64(bytes(range(256)) * 2, (1 << 56) + 3) == 0xF5AB31052F29F586
+
+
+def test_xxh3_reference_matches_the_xxhash_library_at_every_length():
+    xxhash = pytest.importorskip("xxhash")   # the Python binding of the reference library, where installed
+    g = torch.Generator().manual_seed(0)
+    for n in [*range(0, 300), 1023, 1024, 1025, 2048, 4095, 4096]:
+        data = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).tolist())
+        for seed in (0, 7, (2 << 56) + 9, (1 << 64) - 1):
+            assert ref.xxh3_64(data, seed) == xxhash.xxh3_64_intdigest(data, seed), (n, seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,3 +162,28 @@ def test_hash_on_cuda_equals_the_cpu_hash():
     on_gpu = ts.ops.hash_tensors([x.cuda() for x in xs])
     assert on_gpu.device.type == "cuda"
     assert on_gpu.cpu().tolist() == ts.ops.hash_tensors(xs).tolist()
+
+
+@pytest.mark.timeout(120)
+def test_the_plain_loop_gives_the_same_hash_as_the_vectorized_one():
+    # CPUs without AVX2 and the CUDA kernel run hash.h's plain XXH3 loop; TORCHSTRATEGIES_HASH_SCALAR=1 makes this
+    # CPU run it too (read once per process, so in a fresh one).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sizes = [0, 1, 7, 8, 16, 17, 240, 241, 1023, 1024, 1025, 4096, 4097, 2 * 4096 * 512 + 3]
+    code = ("import json, sys, torch, torchstrategies as ts\n"
+            "out = []\n"
+            "for n in json.loads(sys.argv[1]):\n"
+            "    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))\n"
+            "    out.append(ts.ops.hash_tensors([t]).item())\n"
+            "print(json.dumps(out))\n")
+    env = {**os.environ, "TORCHSTRATEGIES_HASH_SCALAR": "1"}
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(sizes)], env=env, capture_output=True, text=True,
+                         timeout=100, check=True)
+    plain = json.loads(run.stdout.strip().splitlines()[-1])
+    for n, h in zip(sizes, plain):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        assert h == ts.ops.hash_tensors([t]).item() == ref.hash_bytes(bytes(t.tolist())), n

@@ -41,7 +41,7 @@ int64_t mix(uint64_t h, const at::Tensor& t, int64_t a, int64_t b) {
   for (const int64_t s : t.sizes()) words.push_back(s);
   words.push_back(a);
   words.push_back(b);
-  const uint64_t d = core::xxh64(reinterpret_cast<const uint8_t*>(words.data()),
+  const uint64_t d = core::xxh3_64(reinterpret_cast<const uint8_t*>(words.data()),
                                  static_cast<int64_t>(words.size() * sizeof(int64_t)), 0);
   return static_cast<int64_t>((h ^ (d * kGolden)) & kMask63);
 }

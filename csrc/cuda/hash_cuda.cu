@@ -23,7 +23,7 @@ __global__ void hash_level(const uint8_t* data, int64_t nbytes, int level, int64
 __global__ void hash_last(const uint8_t* data, int64_t len, int level, int64_t chunks, int64_t nbytes,
                           int64_t* out) {
   uint64_t last = 0;
-  if (chunks == 1) last = core::xxh64(data, len, core::hash_seed(level, 0));
+  if (chunks == 1) last = core::xxh3_64(data, len, core::hash_seed(level, 0));
   *out = static_cast<int64_t>(core::hash_final(&last, chunks, nbytes));
 }
 
