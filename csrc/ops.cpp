@@ -24,6 +24,9 @@ TORCH_LIBRARY(torchstrategies, m) {
   m.def("agreement_hash_(Tensor[] tensors, Tensor(a!) state, Tensor(b!) payload, int forced_from, int piece, "
         "int slices) -> ()");
   m.def("agreement_record_(Tensor[] tensors, Tensor(a!) state) -> ()");
+  // The rotating slice's one definition: piece `piece` of `slices` of the tensors' bytes laid end to end, as
+  // an int64 (len(tensors), 2) CPU tensor of element ranges [a, b) of each tensor's flat view (a == b: none).
+  m.def("agreement_piece(Tensor[] tensors, int piece, int slices) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -37,7 +37,9 @@ ENV_VARS = (
 )
 ENV_PREFIXES = ("TORCHSTRATEGIES_", "NCCL_", "TORCHELASTIC_")
 
-_DISPATCH_KEYS = ("CPU", "CUDA", "Meta", "Autograd")
+# Devices' keys report the kernel a call dispatches to (a CompositeExplicitAutograd kernel serves them all);
+# Autograd, an alias key, reports a kernel registered for it.
+_DEVICE_KEYS = ("CPU", "CUDA", "Meta")
 
 
 def host_id() -> str:
@@ -47,14 +49,17 @@ def host_id() -> str:
 
 
 def registered_ops() -> dict[str, list[str]]:
-    """``torchstrategies::`` ops registered with torch, each with the dispatch keys that have a kernel."""
+    """``torchstrategies::`` ops registered with torch, each with the dispatch keys that have a kernel (a
+    device's key also when the kernel is registered for every device, as ``agreement_piece``'s is)."""
     import torch
 
     ops: dict[str, list[str]] = {}
     for name in sorted(torch._C._dispatch_get_all_op_names()):
         if not name.startswith("torchstrategies::"):
             continue
-        keys = [k for k in _DISPATCH_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+        keys = [k for k in _DEVICE_KEYS if torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, k)]
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
+            keys.append("Autograd")
         ops[name.split("::", 1)[1]] = keys
     return ops
 

@@ -21,7 +21,7 @@ import torch
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
 __all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "hash_tensors",
-           "agreement_hash_", "agreement_record_", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
+           "agreement_hash_", "agreement_record_", "agreement_piece", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 T = TypeVar("T")
@@ -273,6 +273,15 @@ def agreement_record_(tensors: Sequence[torch.Tensor], state: torch.Tensor) -> N
     _ops.agreement_record_(tensors, state)
 
 
+def agreement_piece(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> torch.Tensor:
+    """Piece ``piece`` of ``slices`` of the tensors' bytes laid end to end, the rotating slice's one definition
+    (``agreement_hash_`` hashes the same pieces): an int64 ``(len(tensors), 2)`` CPU tensor whose row ``i`` is
+    the element range ``[a, b)`` of tensor ``i``'s flat view in the piece (``a == b``: none; a tensor that is
+    not contiguous whole, in the piece that holds its first byte). Reads shapes only, on any device; raises
+    ``RuntimeError`` naming ``piece`` and ``slices`` unless ``slices >= 1`` and ``0 <= piece < slices``."""
+    return _ops.agreement_piece(tensors, piece, slices)
+
+
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
 
 
@@ -312,6 +321,16 @@ torch.library.register_fake("torchstrategies::hash_tensors")(
     lambda tensors: tensors[0].new_empty((len(tensors),), dtype=torch.int64))
 torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, state, payload, f, piece, n: None)
 torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state: None)
+
+
+def _fake_agreement_piece(tensors, piece, slices):
+    if not (slices >= 1 and 0 <= piece < slices):
+        raise RuntimeError(f"agreement_piece: piece {piece} of {slices} slices: expected slices >= 1 and 0 <= piece "
+                           "< slices")
+    return torch.empty((len(tensors), 2), dtype=torch.int64)   # (under the fake mode: a fake CPU tensor)
+
+
+torch.library.register_fake("torchstrategies::agreement_piece")(_fake_agreement_piece)
 
 
 def _setup_ctx(ctx, inputs, output):

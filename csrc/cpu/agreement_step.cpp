@@ -7,10 +7,13 @@
 // hash_tensors through the dispatcher, so CPU and CUDA tensors take the kernel of their device. Registered
 // here for the CPU key and by csrc/cuda/hash_binding.cpp for the CUDA key (an opaque op: torch.compile sees
 // its fake, ops.py). `state` and `payload` are int64 CPU tensors the caller keeps per tensor list.
+// agreement_piece, which bytes a piece holds (the rotating slice's one definition, the in-process strategies'
+// check reads it too), reads metadata only: registered once, CompositeExplicitAutograd, for every device.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,6 +34,11 @@ void check_state(const char* op, at::TensorList tensors, const at::Tensor& state
                   state.dim() == 2 && state.size(0) == n && state.size(1) == kCols,
               op, ": state must be a contiguous int64 CPU tensor of shape (", n, ", ", kCols, "), got ",
               state.scalar_type(), " ", state.sizes(), " on ", state.device());
+}
+
+void check_piece(const char* op, int64_t piece, int64_t slices) {
+  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, op, ": piece ", piece, " of ", slices,
+              " slices: expected slices >= 1 and 0 <= piece < slices");
 }
 
 int64_t address(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.const_data_ptr())); }
@@ -94,35 +102,78 @@ void check_call(const char* op, at::TensorList tensors, const at::Tensor& state,
   }
 }
 
-}  // namespace
+// Piece `piece` of `slices` of the tensors' bytes laid end to end (byte offsets [piece * total / slices,
+// (piece + 1) * total / slices)): per tensor, the element range [a, b) of its flat view in the piece, a == b
+// for none. An element is in the piece that holds its first byte, so every element of a contiguous tensor is
+// in exactly one piece; a tensor that is not contiguous (its bytes are not one run to cut) is whole (a = 0,
+// b = numel) in the piece that holds its first byte. Metadata only: no byte is read. The one definition of
+// the rotating slice: the MWMS check's (piece_items) and, through agreement_piece, the in-process one's.
+struct PieceRange {
+  int64_t a, b;
+};
 
-// The payload (int64, 9n) of a list of n tensors: the wire [flags, whole, piece, -flags, -whole, -piece] (6n,
-// the MAX all-reduce's, reduced in place), then this rank's own [flags, whole, piece] (3n). `whole` holds the
-// fingerprints of the tensors hashed whole, `piece` those of this step's piece of the rotating slice.
-
-// Piece `piece` of `slices` of the tracked tensors' bytes laid end to end (tensors before forced_from), as items
-// per tensor (a non-contiguous tensor whole, in the piece where it starts; none for a tensor with no byte in it).
-void piece_items(at::TensorList tensors, int64_t forced_from, int64_t piece, int64_t slices, std::vector<Item>& items) {
+std::vector<PieceRange> piece_ranges(const char* op, at::TensorList tensors, int64_t piece, int64_t slices) {
+  check_piece(op, piece, slices);
   int64_t total = 0;
-  for (int64_t i = 0; i < forced_from; ++i) total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
-  const int64_t lo = piece * total / slices, hi = (piece + 1) * total / slices;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].layout() == at::kStrided, op, ": tensors[", i, "] has layout ", tensors[i].layout(),
+                "; only strided (dense) tensors are cut into pieces");
+    total += tensors[i].numel() * static_cast<int64_t>(tensors[i].element_size());
+  }
+  // k * total / slices without overflowing k * total
+  const auto offset = [&](int64_t k) { return k * (total / slices) + k * (total % slices) / slices; };
+  const int64_t lo = offset(piece), hi = offset(piece + 1);
+  std::vector<PieceRange> out(tensors.size(), PieceRange{0, 0});
   int64_t start = 0;
-  for (int64_t i = 0; i < forced_from; ++i) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     const int64_t e = static_cast<int64_t>(t.element_size());
     const int64_t size = t.numel() * e, end = start + size;
     if (end > lo && start < hi && size > 0) {
       if (!t.is_contiguous()) {
-        if (lo <= start) items.push_back({i, t.detach(), 0, t.numel()});
+        if (lo <= start) out[i] = {0, t.numel()};
       } else {
-        const int64_t a = std::min(std::max(lo - start, int64_t{0}), size) / e;
-        const int64_t b = std::min(hi - start, size) / e;
-        if (b > a) items.push_back({i, t.detach().reshape(-1).slice(0, a, b), a, b});
+        out[i] = {std::max(lo - start, int64_t{0}) / e, std::min(hi - start, size) / e};
       }
     }
     start = end;
   }
+  return out;
 }
+
+// The part of t a range names (a view, no copy): t itself when the range is all of it, else its flat view's
+// [a, b) (agreement_step.py's piece_of takes the same view).
+at::Tensor piece_view(const at::Tensor& t, int64_t a, int64_t b) {
+  return a == 0 && b == t.numel() ? t.detach() : t.detach().view(-1).slice(0, a, b);
+}
+
+// This step's piece of the rotating slice as items: the tracked tensors' (before forced_from) ranges.
+void piece_items(at::TensorList tensors, int64_t forced_from, int64_t piece, int64_t slices, std::vector<Item>& items) {
+  const at::TensorList tracked = tensors.slice(0, static_cast<size_t>(forced_from));
+  const std::vector<PieceRange> ranges = piece_ranges("agreement_hash_", tracked, piece, slices);
+  for (int64_t i = 0; i < forced_from; ++i) {
+    const auto [a, b] = ranges[i];
+    if (b > a) items.push_back({i, piece_view(tracked[i], a, b), a, b});
+  }
+}
+
+}  // namespace
+
+// Rows [a, b] (int64 (n, 2), CPU) of piece_ranges: what agreement_step.py's slice_ranges reads.
+at::Tensor agreement_piece(at::TensorList tensors, int64_t piece, int64_t slices) {
+  const std::vector<PieceRange> ranges = piece_ranges("agreement_piece", tensors, piece, slices);
+  at::Tensor out = at::empty({static_cast<int64_t>(ranges.size()), 2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  for (const auto& [a, b] : ranges) {
+    *o++ = a;
+    *o++ = b;
+  }
+  return out;
+}
+
+// The payload (int64, 9n) of a list of n tensors: the wire [flags, whole, piece, -flags, -whole, -piece] (6n,
+// the MAX all-reduce's, reduced in place), then this rank's own [flags, whole, piece] (3n). `whole` holds the
+// fingerprints of the tensors hashed whole, `piece` those of this step's piece of the rotating slice.
 
 // Before the optimizer's update: flags[i] = whether tracked tensor i (i < forced_from) moved (version or
 // storage) since recorded (recorded now); the moved and the forced (i >= forced_from) tensors hashed whole
@@ -131,8 +182,7 @@ void piece_items(at::TensorList tensors, int64_t forced_from, int64_t piece, int
 void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::Tensor& payload,
                      int64_t forced_from, int64_t piece, int64_t slices) {
   check_call("agreement_hash_", tensors, state, payload, forced_from);
-  TORCH_CHECK(slices >= 1 && 0 <= piece && piece < slices, "agreement_hash_: piece ", piece, " of ", slices,
-              " slices: expected slices >= 1 and 0 <= piece < slices");
+  check_piece("agreement_hash_", piece, slices);
   const int64_t n = static_cast<int64_t>(tensors.size());
   int64_t* st = state.mutable_data_ptr<int64_t>();
   int64_t* wire = payload.mutable_data_ptr<int64_t>();
@@ -180,6 +230,12 @@ void agreement_record_(at::TensorList tensors, const at::Tensor& state) {
 TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {
   m.impl("agreement_hash_", &agreement_hash_);
   m.impl("agreement_record_", &agreement_record_);
+}
+
+// Metadata only (shapes, strides, dtypes), so one kernel serves every device's tensors, CUDA's too, in CPU
+// and CUDA builds alike; Meta (torch.compile's tracing) takes the fake of torchstrategies/ops.py.
+TORCH_LIBRARY_IMPL(torchstrategies, CompositeExplicitAutograd, m) {
+  m.impl("agreement_piece", &agreement_piece);
 }
 
 }  // namespace torchstrategies

@@ -13,4 +13,9 @@ void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::
 
 void agreement_record_(at::TensorList tensors, const at::Tensor& state);
 
+// Piece `piece` of `slices` of the tensors' bytes laid end to end: int64 (n, 2) CPU rows [a, b), the element
+// range of tensor i's flat view in the piece (a == b: none; a tensor that is not contiguous whole, in the
+// piece that holds its first byte). Metadata only; registered for every device (CompositeExplicitAutograd).
+at::Tensor agreement_piece(at::TensorList tensors, int64_t piece, int64_t slices);
+
 }  // namespace torchstrategies

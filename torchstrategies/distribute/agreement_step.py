@@ -145,32 +145,17 @@ class StepAgreement:
             raise_for(i, reason, fingerprint, f"optimizer step {self.steps}")
 
 
-def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int] | None]:
+def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int]]:
     """Piece ``piece`` of ``slices`` of the tensors' bytes laid end to end: tensor index -> the element range
-    [a, b) of its flat view in that piece (None: the whole tensor, for one that is not contiguous, in the
-    piece where it starts). Every element is in exactly one piece."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = sum(sizes)
-    out: dict[int, tuple[int, int] | None] = {}
-    if not total:
-        return out
-    lo, hi = piece * total // slices, (piece + 1) * total // slices
-    start = 0
-    for i, (t, size) in enumerate(zip(tensors, sizes)):
-        end = start + size
-        if end > lo and start < hi and size:
-            if not t.is_contiguous():
-                if lo <= start < hi:
-                    out[i] = None
-            else:
-                e = t.element_size()
-                a, b = min(max(lo - start, 0), size) // e, min(max(hi - start, 0), size) // e
-                if b > a:
-                    out[i] = (a, b)
-        start = end
-    return out
+    [a, b) of its flat view in that piece, for the tensors that have one (a tensor that is not contiguous: all
+    of it, ``(0, numel)``, in the piece that holds its first byte). Every element is in exactly one piece.
+    The rotating slice's one definition, ``ops.agreement_piece``: the pieces MWMS's check hashes."""
+    rows = ops.agreement_piece(tensors, piece, slices).tolist()
+    return {i: (a, b) for i, (a, b) in enumerate(rows) if b > a}
 
 
-def piece_of(t: torch.Tensor, r: tuple[int, int] | None) -> torch.Tensor:
-    """The part of ``t`` a range of :func:`slice_ranges` names (a view, no copy)."""
-    return t.detach() if r is None else t.detach().reshape(-1)[r[0]:r[1]]
+def piece_of(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
+    """The part of ``t`` a range of :func:`slice_ranges` names (a view, no copy): ``t`` itself when the range
+    is all of it, else its flat view's ``[a, b)`` (the view ``ops.agreement_hash_`` hashes)."""
+    a, b = r
+    return t.detach() if (a, b) == (0, t.numel()) else t.detach().view(-1)[a:b]
