@@ -95,8 +95,8 @@ def test_multi_worker_mirrored_two_processes_match_one_device():
     assert not failures, "\n".join(failures)
 
 
-def _compiled_step_training(strategy, compiled: bool) -> dict[str, torch.Tensor]:
-    """Three steps of a step function wrapped in ``torch.compile`` (``compiled``) or not, under ``strategy``
+def _compiled_step_training(strategy, compiled: bool, steps: int = 3) -> dict[str, torch.Tensor]:
+    """``steps`` steps of a step function wrapped in ``torch.compile`` (``compiled``) or not, under ``strategy``
     (None: plain torch on the global batch), float32."""
     import torchstrategies as ts
     from tests import _conformance as C
@@ -115,7 +115,7 @@ def _compiled_step_training(strategy, compiled: bool) -> dict[str, torch.Tensor]
         opt.step()  # in-process: a merge_call; MultiWorkerMirrored: its pre-hook's collectives (graph breaks)
 
     fn = torch.compile(step) if compiled else step
-    for i in range(3):
+    for i in range(steps):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
         runner.run(fn, *runner.split(x, y))
@@ -126,3 +126,26 @@ def _compiled_step_training(strategy, compiled: bool) -> dict[str, torch.Tensor]
 def test_a_compiled_step_function_under_mirrored_equals_the_eager_one():
     got = _compiled_step_training(ts.MirroredStrategy(num_replicas=2), compiled=True)
     C.assert_same(got, _compiled_step_training(None, compiled=False), "compile")  # float32 tolerance
+
+
+@pytest.mark.timeout(300)
+def test_a_compiled_step_function_under_mirrored_does_not_recompile_at_every_step():
+    # The merge's bookkeeping (which piece of the rotating slice, which tensors moved) changes every step: traced
+    # by dynamo, it recompiled at every step until dynamo's recompile limit (8) and warned. It runs eagerly.
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("torch._dynamo")
+    handler = Keep(level=logging.WARNING)
+    log.addHandler(handler)
+    try:
+        got = _compiled_step_training(ts.MirroredStrategy(num_replicas=2), compiled=True, steps=12)
+    finally:
+        log.removeHandler(handler)
+    assert not [r for r in records if "recompile" in r], records[:3]
+    C.assert_same(got, _compiled_step_training(None, compiled=False, steps=12), "compile")

@@ -85,6 +85,13 @@ class ReplicatedTensors:
         self._compared: list[weakref.ref[torch.Tensor]] = []
         self.slices = 0 if not agreement.enabled() else 1 if collective_debug.enabled() else AGREEMENT_SLICES
         self.steps = 0   # optimizer steps (their merges) so far
+        # The replicas' bookkeeping at a merge and at the end of a run (sums, folds, the agreement check) runs
+        # eagerly when the step function is torch.compile'd: dynamo would trace its per-step Python (which
+        # piece of the slice, which tensors moved) into graphs guarded on this step's values, recompiling at
+        # every step until its recompile limit. Wrapped per instance, as MWMS's collectives are
+        # (multi_worker_mirrored.py): importing torchstrategies imports no torch._dynamo.
+        self.fold = torch.compiler.disable(self.fold)  # type: ignore[method-assign]
+        self.fold_buffers = torch.compiler.disable(self.fold_buffers)  # type: ignore[method-assign]
 
     def add_module(self, module: torch.nn.Module) -> None:
         self._modules.append(weakref.ref(module))
