@@ -448,9 +448,11 @@ def test_instance_norm_running_statistics_are_averaged_and_match_one_device(stra
 
 
 def test_the_per_step_walk_visits_the_modules_in_the_order_of_module_modules():
-    """``modules_of`` (the per-step walk's traversal, without names) is ``Module.modules()``: each module once
-    (a shared one at its first place), depth first, in registration order, None children skipped."""
-    from torchstrategies.strategies._agreement import modules_of
+    """``modules_of`` (the per-step walks' traversal, without names) is ``Module.modules()``: each module once
+    (a shared one at its first place), depth first, in registration order, None children skipped; over
+    several roots, each root's in turn with a module they share yielded once (the in-process replicas' walk
+    over every model made in the scope)."""
+    from torchstrategies.distribute.buffers import modules_of
 
     shared = torch.nn.Linear(2, 2)
     root = torch.nn.Module()
@@ -460,3 +462,7 @@ def test_the_per_step_walk_visits_the_modules_in_the_order_of_module_modules():
     root.d = torch.nn.ModuleList([torch.nn.LSTM(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1))])
     assert [id(m) for m in modules_of(root)] == [id(m) for m in root.modules()]
     assert len(list(modules_of(root))) == 10   # root, a, shared, ReLU, a.2, Tanh, d, LSTM, d.1, d.1.0
+    other = torch.nn.Sequential(torch.nn.GELU(), root.d)   # a second root sharing root.d
+    walked = [id(m) for m in modules_of(root, other)]
+    assert walked == [id(m) for m in root.modules()] + [id(other), id(other[0])]
+    assert [id(m) for m in modules_of(other, root)][:6] == [id(m) for m in other.modules()]

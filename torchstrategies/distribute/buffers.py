@@ -20,12 +20,14 @@ replace the buffer tensors) and ``copy.deepcopy``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from torchstrategies.distribute.enums import VariableAggregation
 
-__all__ = ["declare_buffer_aggregation", "is_mean_buffer", "mean_buffer_ids"]
+__all__ = ["declare_buffer_aggregation", "is_mean_buffer", "mean_buffer_ids", "modules_of"]
 
 _ATTR = "_torchstrategies_buffer_aggregation"
 _NORM_STATISTICS = ("running_mean", "running_var")
@@ -77,10 +79,21 @@ def is_mean_buffer(module: torch.nn.Module, name: str) -> bool:
 
 def mean_buffer_ids(modules: list[torch.nn.Module]) -> set[int]:
     """The ``id`` of every buffer declared MEAN in ``modules`` and their submodules."""
-    ids: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            for name, b in m._buffers.items():
-                if b is not None and is_mean_buffer(m, name):
-                    ids.add(id(b))
-    return ids
+    return {id(b) for m in modules_of(*modules) for name, b in m._buffers.items()
+            if b is not None and is_mean_buffer(m, name)}
+
+
+def modules_of(*roots: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Every module under ``roots``, each once, depth first in registration order: ``root.modules()`` of each
+    root in turn, a module that two roots share yielded once (under the first), without the names that
+    ``named_modules`` builds for every module. The per-step walks' traversal (MultiWorkerMirrored's agreement,
+    the in-process replicas' tensors)."""
+    seen: set[int] = set()
+    stack = list(reversed(roots))
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))

@@ -54,7 +54,7 @@ from torchstrategies._ext import _C
 from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
 from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, piece_of, slice_ranges
-from torchstrategies.distribute.buffers import is_mean_buffer
+from torchstrategies.distribute.buffers import is_mean_buffer, modules_of
 from torchstrategies.distribute.replica_attributes import ReplicaAttributes
 from torchstrategies.distribute.values import PerReplica
 from torchstrategies.reduce_op import ReduceOp
@@ -111,20 +111,14 @@ class ReplicatedTensors:
         params: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
         mean_ids: set[int] = set()
-        seen: set[int] = set()
-        stack = modules[::-1]
-        while stack:  # every module under the roots, in pre-order (what Module.modules() yields)
-            m = stack.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
+        walked = list(modules_of(*modules))   # every module under the roots, in pre-order, each once
+        for m in walked:
             params.extend(p for p in m._parameters.values() if p is not None)
             for name, b in m._buffers.items():
                 if b is not None:
                     buffers.append(b)
                     if is_mean_buffer(m, name):
                         mean_ids.add(id(b))
-            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
         lazy = [t for t in params + buffers if isinstance(t, UninitializedTensorMixin)]
         if lazy:
             raise RuntimeError(
@@ -137,7 +131,7 @@ class ReplicatedTensors:
             for group in opt.param_groups:
                 params.extend(group["params"])
         self._mean_ids = mean_ids
-        self.module_ids = seen
+        self.module_ids = {id(m) for m in walked}
         self.views.refresh(params, buffers)
         unique = {id(t): t for t in params + buffers if id(t) not in mean_ids}
         self._compared = [weakref.ref(t) for t in unique.values()]

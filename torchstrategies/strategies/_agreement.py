@@ -26,7 +26,7 @@ from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
 from torchstrategies.distribute.agreement import RankAgreement
 from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, StepAgreement, StepTensors
-from torchstrategies.distribute.buffers import is_mean_buffer
+from torchstrategies.distribute.buffers import is_mean_buffer, modules_of
 from torchstrategies.reduce_op import ReduceOp
 
 __all__ = ["WorkerAgreement", "Held", "steps_with"]
@@ -203,20 +203,6 @@ class WorkerAgreement:
         if bad:
             t = params[bad[0]]
             self.ranks.raise_for([(self.describe(t)[0], t)], when, lambda t: self.cause(t, "slice"))
-
-
-def modules_of(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``root.modules()`` (each module once, depth first, in registration order) without the names that
-    ``named_modules`` builds for every module: the per-step walk's traversal."""
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        yield m
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
 
 
 def steps_with(module: torch.nn.Module, stepped: set[int]) -> bool:
