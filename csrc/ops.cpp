@@ -27,6 +27,9 @@ TORCH_LIBRARY(torchstrategies, m) {
   // The rotating slice's one definition: piece `piece` of `slices` of the tensors' bytes laid end to end, as
   // an int64 (len(tensors), 2) CPU tensor of element ranges [a, b) of each tensor's flat view (a == b: none).
   m.def("agreement_piece(Tensor[] tensors, int piece, int slices) -> Tensor");
+  // Per tensor, the fingerprint of its part in that piece (0: none), an int64 (len(tensors),) CPU tensor: what
+  // agreement_hash_ writes to its payload's piece part; the in-process strategies compare it per replica.
+  m.def("agreement_piece_fingerprints(Tensor[] tensors, int piece, int slices) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

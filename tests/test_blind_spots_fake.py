@@ -104,11 +104,13 @@ def _opcheck_cases() -> dict[str, list[tuple]]:
     cases["agreement_hash_"] = [(tensors, state.clone(), torch.zeros(18, dtype=torch.int64), 1, piece, 2)
                                 for piece in (0, 1)]
     cases["agreement_record_"] = [(tensors, state.clone())]
-    # which bytes a piece of the rotating slice holds: mixed dtypes, an empty and a non-contiguous tensor
+    # which bytes a piece of the rotating slice holds, and their fingerprints: mixed dtypes, an empty and a
+    # non-contiguous tensor
     mixed = [torch.randn(5, 3, generator=g), torch.zeros(0), torch.arange(7, dtype=torch.int8),
              torch.randn(4, 4, generator=g).t(), torch.randn(3, generator=g).double()]
     cases["agreement_piece"] = [(mixed, piece, slices) for slices in (1, 4) for piece in range(slices)]
     cases["agreement_piece"].append(([], 0, 1))
+    cases["agreement_piece_fingerprints"] = list(cases["agreement_piece"])   # the same pieces, their fingerprints
     return cases
 
 

@@ -21,7 +21,8 @@ import torch
 from torchstrategies._ext import _C  # loads the extension or raises ImportError
 
 __all__ = ["accumulate_n", "tree_reduce", "add_n", "accumulate_", "accumulate_grouped_", "hash_tensors",
-           "agreement_hash_", "agreement_record_", "agreement_piece", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
+           "agreement_hash_", "agreement_record_", "agreement_piece", "agreement_piece_fingerprints",
+           "SUPPORTED_DTYPES", "FLOAT_DTYPES", "DTYPE_CODES"]
 
 _ops = torch.ops.torchstrategies
 T = TypeVar("T")
@@ -282,6 +283,16 @@ def agreement_piece(tensors: Sequence[torch.Tensor], piece: int, slices: int) ->
     return _ops.agreement_piece(tensors, piece, slices)
 
 
+def agreement_piece_fingerprints(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> torch.Tensor:
+    """Per tensor, the fingerprint of its part in piece ``piece`` of ``slices`` (:func:`agreement_piece`'s
+    ranges): the hash of those bytes mixed with the tensor's dtype, shape and range, as an int64
+    ``(len(tensors),)`` CPU tensor, 0 where a tensor has no part in the piece. The values
+    :func:`agreement_hash_` writes for the same piece; the in-process strategies compare them replica by
+    replica. Tensors on any devices (each device's hashed in one kernel call there); the same errors as
+    :func:`agreement_piece`."""
+    return _ops.agreement_piece_fingerprints(tensors, piece, slices)
+
+
 # ---- torch.compile / FakeTensor support: shapes only, the same checks as the kernels ----------------
 
 
@@ -323,14 +334,19 @@ torch.library.register_fake("torchstrategies::agreement_hash_")(lambda tensors, 
 torch.library.register_fake("torchstrategies::agreement_record_")(lambda tensors, state: None)
 
 
-def _fake_agreement_piece(tensors, piece, slices):
-    if not (slices >= 1 and 0 <= piece < slices):
-        raise RuntimeError(f"agreement_piece: piece {piece} of {slices} slices: expected slices >= 1 and 0 <= piece "
-                           "< slices")
-    return torch.empty((len(tensors), 2), dtype=torch.int64)   # (under the fake mode: a fake CPU tensor)
+def _fake_agreement_piece(op: str, *shape: int) -> Callable[..., torch.Tensor]:
+    def fake(tensors, piece, slices):
+        if not (slices >= 1 and 0 <= piece < slices):
+            raise RuntimeError(f"{op}: piece {piece} of {slices} slices: expected slices >= 1 and 0 <= piece < "
+                               "slices")
+        return torch.empty((len(tensors), *shape), dtype=torch.int64)   # (under the fake mode: a fake CPU tensor)
+
+    return fake
 
 
-torch.library.register_fake("torchstrategies::agreement_piece")(_fake_agreement_piece)
+torch.library.register_fake("torchstrategies::agreement_piece")(_fake_agreement_piece("agreement_piece", 2))
+torch.library.register_fake("torchstrategies::agreement_piece_fingerprints")(
+    _fake_agreement_piece("agreement_piece_fingerprints"))
 
 
 def _setup_ctx(ctx, inputs, output):

@@ -7,8 +7,10 @@
 // hash_tensors through the dispatcher, so CPU and CUDA tensors take the kernel of their device. Registered
 // here for the CPU key and by csrc/cuda/hash_binding.cpp for the CUDA key (an opaque op: torch.compile sees
 // its fake, ops.py). `state` and `payload` are int64 CPU tensors the caller keeps per tensor list.
-// agreement_piece, which bytes a piece holds (the rotating slice's one definition, the in-process strategies'
-// check reads it too), reads metadata only: registered once, CompositeExplicitAutograd, for every device.
+// agreement_piece, which bytes a piece holds (the rotating slice's one definition), reads metadata only, and
+// agreement_piece_fingerprints (a piece's fingerprints: the in-process strategies' check compares them per
+// replica) reads bytes only through hash_tensors: each is registered once, CompositeExplicitAutograd, for
+// every device.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -107,7 +109,8 @@ void check_call(const char* op, at::TensorList tensors, const at::Tensor& state,
 // for none. An element is in the piece that holds its first byte, so every element of a contiguous tensor is
 // in exactly one piece; a tensor that is not contiguous (its bytes are not one run to cut) is whole (a = 0,
 // b = numel) in the piece that holds its first byte. Metadata only: no byte is read. The one definition of
-// the rotating slice: the MWMS check's (piece_items) and, through agreement_piece, the in-process one's.
+// the rotating slice: every piece's fingerprints (piece_items: MWMS's agreement_hash_ and
+// agreement_piece_fingerprints, which the in-process check compares) and agreement_piece's rows.
 struct PieceRange {
   int64_t a, b;
 };
@@ -147,13 +150,14 @@ at::Tensor piece_view(const at::Tensor& t, int64_t a, int64_t b) {
   return a == 0 && b == t.numel() ? t.detach() : t.detach().view(-1).slice(0, a, b);
 }
 
-// This step's piece of the rotating slice as items: the tracked tensors' (before forced_from) ranges.
-void piece_items(at::TensorList tensors, int64_t forced_from, int64_t piece, int64_t slices, std::vector<Item>& items) {
-  const at::TensorList tracked = tensors.slice(0, static_cast<size_t>(forced_from));
-  const std::vector<PieceRange> ranges = piece_ranges("agreement_hash_", tracked, piece, slices);
-  for (int64_t i = 0; i < forced_from; ++i) {
+// Piece `piece` of `slices` of the tensors as items, tensor i's fingerprint to slot base + i: the one path of
+// a piece's fingerprints (agreement_hash_'s payload, agreement_piece_fingerprints).
+void piece_items(const char* op, at::TensorList tensors, int64_t base, int64_t piece, int64_t slices,
+                 std::vector<Item>& items) {
+  const std::vector<PieceRange> ranges = piece_ranges(op, tensors, piece, slices);
+  for (size_t i = 0; i < tensors.size(); ++i) {
     const auto [a, b] = ranges[i];
-    if (b > a) items.push_back({i, piece_view(tracked[i], a, b), a, b});
+    if (b > a) items.push_back({base + static_cast<int64_t>(i), piece_view(tensors[i], a, b), a, b});
   }
 }
 
@@ -168,6 +172,16 @@ at::Tensor agreement_piece(at::TensorList tensors, int64_t piece, int64_t slices
     *o++ = a;
     *o++ = b;
   }
+  return out;
+}
+
+// The fingerprints of piece `piece` of `slices`, a tensor each (0 where a tensor has no part in it): what
+// agreement_hash_ writes to its payload's piece part for the same tensors, one hash call per device.
+at::Tensor agreement_piece_fingerprints(at::TensorList tensors, int64_t piece, int64_t slices) {
+  at::Tensor out = at::zeros({static_cast<int64_t>(tensors.size())}, at::TensorOptions().dtype(at::kLong));
+  std::vector<Item> items;
+  piece_items("agreement_piece_fingerprints", tensors, 0, piece, slices, items);
+  hash_items(items, out.mutable_data_ptr<int64_t>());
   return out;
 }
 
@@ -206,9 +220,7 @@ void agreement_hash_(at::TensorList tensors, const at::Tensor& state, const at::
     flags[i] = row[kMoved];
     if (i >= forced_from || row[kMoved]) items.push_back({n + i, t.detach(), 0, t.numel()});
   }
-  const size_t wholes = items.size();
-  piece_items(tensors, forced_from, piece, slices, items);
-  for (size_t k = wholes; k < items.size(); ++k) items[k].slot += 2 * n;
+  piece_items("agreement_hash_", tensors.slice(0, static_cast<size_t>(forced_from)), 2 * n, piece, slices, items);
   hash_items(items, own);
   for (int64_t j = 0; j < 3 * n; ++j) {
     wire[j] = own[j];
@@ -232,10 +244,12 @@ TORCH_LIBRARY_IMPL(torchstrategies, CPU, m) {
   m.impl("agreement_record_", &agreement_record_);
 }
 
-// Metadata only (shapes, strides, dtypes), so one kernel serves every device's tensors, CUDA's too, in CPU
-// and CUDA builds alike; Meta (torch.compile's tracing) takes the fake of torchstrategies/ops.py.
+// Metadata only (shapes, strides, dtypes) or bytes through hash_tensors (which dispatches by device), so one
+// kernel serves every device's tensors, CUDA's too, in CPU and CUDA builds alike; Meta (torch.compile's
+// tracing) takes the fakes of torchstrategies/ops.py.
 TORCH_LIBRARY_IMPL(torchstrategies, CompositeExplicitAutograd, m) {
   m.impl("agreement_piece", &agreement_piece);
+  m.impl("agreement_piece_fingerprints", &agreement_piece_fingerprints);
 }
 
 }  // namespace torchstrategies

@@ -18,4 +18,9 @@ void agreement_record_(at::TensorList tensors, const at::Tensor& state);
 // piece that holds its first byte). Metadata only; registered for every device (CompositeExplicitAutograd).
 at::Tensor agreement_piece(at::TensorList tensors, int64_t piece, int64_t slices);
 
+// Per tensor, the fingerprint of its part in piece `piece` of `slices` (0: none): int64 (n,) on the CPU, the
+// values agreement_hash_ writes to its payload's piece part. Its bytes are hashed through hash_tensors, so
+// it is registered once for every device (CompositeExplicitAutograd).
+at::Tensor agreement_piece_fingerprints(at::TensorList tensors, int64_t piece, int64_t slices);
+
 }  // namespace torchstrategies

@@ -37,7 +37,8 @@ from torchstrategies import ops
 from torchstrategies.errors import ReplicaDivergenceError
 from torchstrategies.reduce_op import ReduceOp
 
-__all__ = ["fingerprints", "fingerprint_list", "divergence_error", "check_replicas", "RankAgreement", "enabled", "ENV"]
+__all__ = ["fingerprints", "fingerprint_list", "divergence_error", "check_replicas", "check_replica_piece",
+           "RankAgreement", "enabled", "ENV"]
 
 # The benchmarking knob: TORCHSTRATEGIES_AGREEMENT=0 turns the per-step agreement check off (a checkpoint
 # save still checks), to measure what it costs (`torchstrategies bench train --no-agreement`). Never for
@@ -136,6 +137,30 @@ def check_replicas(items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]],
     for t, comps in items:
         values = f[off:off + len(comps)]
         off += len(comps)
+        if len(set(values)) > 1:
+            raise divergence_error(name_of(t), kind_of(t), "replicas", _groups(values), when, cause(t))
+
+
+def check_replica_piece(items: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], piece: int, slices: int,
+                        when: str, name_of: Callable[[torch.Tensor], str],
+                        cause: Callable[[torch.Tensor], str]) -> None:
+    """In-process, the rotating slice: raises ``ReplicaDivergenceError`` for the first tensor whose replicas'
+    parts in piece ``piece`` of ``slices`` of the tensors' bytes differ. Each replica's components are
+    fingerprinted in one call, ``ts.ops.agreement_piece_fingerprints`` (the piece's one definition, the values
+    MultiWorkerMirrored's check compares across ranks), on the devices they live on.
+
+    Args:
+        items: every tensor the slice covers, in a fixed order (the piece is cut from their bytes laid end to
+            end), with its components, replica 0's first (one component: nothing to compare).
+        name_of, cause: as for :func:`check_replicas`.
+    """
+    replicas = max((len(comps) for _, comps in items), default=0)
+    if replicas < 2:
+        return
+    rows = [ops.agreement_piece_fingerprints([comps[k] if k < len(comps) else comps[0] for _, comps in items],
+                                             piece, slices).tolist() for k in range(replicas)]
+    for i, (t, comps) in enumerate(items):
+        values = [row[i] for row in rows[:len(comps)]]
         if len(set(values)) > 1:
             raise divergence_error(name_of(t), kind_of(t), "replicas", _groups(values), when, cause(t))
 

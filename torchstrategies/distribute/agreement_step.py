@@ -45,7 +45,7 @@ import torch
 from torchstrategies import ops
 from torchstrategies.distribute.agreement import RankAgreement, fingerprint_list
 
-__all__ = ["StepAgreement", "StepTensors", "AGREEMENT_SLICES", "slice_ranges", "piece_of"]
+__all__ = ["StepAgreement", "StepTensors", "AGREEMENT_SLICES"]
 
 # How many steps the rotating slice takes to cover every tracked byte: a write torch does not count is named
 # within AGREEMENT_SLICES steps (the check of the step it is made in and the AGREEMENT_SLICES - 1 after it:
@@ -144,18 +144,3 @@ class StepAgreement:
             i, fingerprint, reason = min(found)
             raise_for(i, reason, fingerprint, f"optimizer step {self.steps}")
 
-
-def slice_ranges(tensors: Sequence[torch.Tensor], piece: int, slices: int) -> dict[int, tuple[int, int]]:
-    """Piece ``piece`` of ``slices`` of the tensors' bytes laid end to end: tensor index -> the element range
-    [a, b) of its flat view in that piece, for the tensors that have one (a tensor that is not contiguous: all
-    of it, ``(0, numel)``, in the piece that holds its first byte). Every element is in exactly one piece.
-    The rotating slice's one definition, ``ops.agreement_piece``: the pieces MWMS's check hashes."""
-    rows = ops.agreement_piece(tensors, piece, slices).tolist()
-    return {i: (a, b) for i, (a, b) in enumerate(rows) if b > a}
-
-
-def piece_of(t: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
-    """The part of ``t`` a range of :func:`slice_ranges` names (a view, no copy): ``t`` itself when the range
-    is all of it, else its flat view's ``[a, b)`` (the view ``ops.agreement_hash_`` hashes)."""
-    a, b = r
-    return t.detach() if (a, b) == (0, t.numel()) else t.detach().view(-1)[a:b]

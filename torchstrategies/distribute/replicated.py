@@ -53,7 +53,7 @@ from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-def
 from torchstrategies._ext import _C
 from torchstrategies.collectives import debug as collective_debug
 from torchstrategies.distribute import agreement
-from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES, piece_of, slice_ranges
+from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES
 from torchstrategies.distribute.buffers import is_mean_buffer, modules_of
 from torchstrategies.distribute.replica_attributes import ReplicaAttributes
 from torchstrategies.distribute.values import PerReplica
@@ -161,14 +161,9 @@ class ReplicatedTensors:
         compared = [t for t in (r() for r in self._compared) if t is not None]
         if not self.slices or not compared:
             return
-        ranges = slice_ranges(compared, self.steps % self.slices, self.slices)
-        items = []
-        for i, r in ranges.items():
-            t = compared[i]
-            comps = self.views.components(t)
-            if len(comps) > 1:
-                items.append((t, [piece_of(c, r) for c in comps]))
-        agreement.check_replicas(items, f"optimizer step {self.steps + 1}", self.name_of, _uncounted_cause)
+        agreement.check_replica_piece([(t, self.views.components(t)) for t in compared], self.steps % self.slices,
+                                      self.slices, f"optimizer step {self.steps + 1}", self.name_of,
+                                      _uncounted_cause)
 
     def fold_buffers(self, parameters: bool = False) -> None:
         """Makes every replica's buffers equal: those declared MEAN become the replicas' mean, the others must
