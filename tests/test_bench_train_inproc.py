@@ -3,6 +3,8 @@ produce the columns the table shows; speed itself is measured by the bench, neve
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from torchstrategies.bench import train_inproc
@@ -19,6 +21,7 @@ def test_overhead_rows_cover_every_in_process_strategy_with_a_per_replica_overhe
         "in-process overhead: OneDevice",
         "in-process overhead: Mirrored(1)",
         "in-process overhead: Mirrored(2)",
+        "in-process overhead: Mirrored(2), no agreement",
         "in-process overhead: Mirrored(3)",
     ]
     assert all(r["overhead us/replica"] == "" for r in rows[:3])  # the references have no overhead
@@ -53,6 +56,7 @@ def test_bench_inproc_command_prints_the_rows_as_one_table(tmp_path):
         "in-process overhead: OneDevice",
         "in-process overhead: Mirrored(1)",
         "in-process overhead: Mirrored(2)",
+        "in-process overhead: Mirrored(2), no agreement",
         "in-process overhead: Mirrored(3)",
     ]
     assert all(isinstance(row["overhead us/replica"], float) for row in data["rows"][3:])
@@ -88,3 +92,18 @@ def test_the_own_copies_baseline_trains_like_one_full_batch_step(monkeypatch):
         opt.step()
     for a, b in zip(first.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("saved", [None, "1"])
+def test_the_no_agreement_row_turns_the_rotating_slice_off_for_its_strategy_only(monkeypatch, saved):
+    from torchstrategies.distribute import agreement
+    from torchstrategies.distribute.agreement_step import AGREEMENT_SLICES
+
+    if saved is None:
+        monkeypatch.delenv(agreement.ENV, raising=False)
+    else:
+        monkeypatch.setenv(agreement.ENV, saved)
+    off = train_inproc._strategy("mirrored-no-agreement", 2)
+    assert off.extended._replicated.slices == 0
+    assert os.environ.get(agreement.ENV) == saved   # the knob is put back as it was
+    assert train_inproc._strategy("mirrored", 2).extended._replicated.slices == AGREEMENT_SLICES

@@ -9,7 +9,10 @@ interleaved over ``rounds`` (medians):
   the ordinary full-batch step), loss ``sum / global batch`` as ``compute_average_loss`` computes it. The
   ``overhead us/replica`` column is ``(step time - plain torch N-slice step time) / N`` for N replicas:
   the strategy's own cost. ``above 1-pass torch us/replica`` is ``(step time - full-batch torch step) /
-  N``, which also counts the extra forward/backward passes N replicas make on N smaller batches.
+  N``, which also counts the extra forward/backward passes N replicas make on N smaller batches. The row
+  ``Mirrored(2), no agreement`` is Mirrored(2) with the per-step agreement check's rotating slice off
+  (``TORCHSTRATEGIES_AGREEMENT=0``, the benchmarking knob): beside ``Mirrored(2)`` it shows what the check
+  costs (the comparison of what replicas wrote, which names a wrong result, stays on).
 * compile: the MLP 784-1024-1024-10, global batch 64, as plain torch (full batch, and the same two
   half-batch passes as two replicas make: ``2 slices``) and MirroredStrategy(2) on CPU, eager and
   ``torch.compile``-d (the model compiled inside the scope). ``x torch same passes`` is a Mirrored(2)
@@ -32,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -59,8 +63,8 @@ COLUMNS = ["runner", "samples/s", "ms/step", "steps/s", "overhead us/replica", "
 
 
 def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled: bool) -> Callable[[], None]:
-    """One training step of ``kind`` ("torch", "torch-copies", "one_device", "mirrored") as a no-argument
-    function."""
+    """One training step of ``kind`` ("torch", "torch-copies", "one_device", "mirrored", "mirrored-no-agreement":
+    Mirrored with the per-step agreement check's rotating slice off) as a no-argument function."""
     import torch
 
     import torchstrategies as ts
@@ -91,9 +95,7 @@ def _setup(kind: str, replicas: int, sizes: Sequence[int], batch: int, compiled:
         return sliced
     if kind == "torch-copies":
         return _own_copies(sizes, replicas, x, y, batch, compiled)
-    strategy: Strategy = (
-        ts.OneDeviceStrategy("cpu") if kind == "one_device" else ts.MirroredStrategy(num_replicas=replicas)
-    )
+    strategy = _strategy(kind, replicas)
     with strategy.scope():
         model = _mlp(sizes)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -155,6 +157,26 @@ def _own_copies(sizes: Sequence[int], replicas: int, x: torch.Tensor, y: torch.T
                 torch._foreach_copy_(ps, params[0])
 
     return step
+
+
+def _strategy(kind: str, replicas: int) -> Strategy:
+    """The strategy of a ``kind`` of :func:`_setup` ("one_device", "mirrored", "mirrored-no-agreement")."""
+    import torchstrategies as ts
+    from torchstrategies.distribute import agreement
+
+    if kind == "one_device":
+        return ts.OneDeviceStrategy("cpu")
+    if kind == "mirrored":
+        return ts.MirroredStrategy(num_replicas=replicas)
+    saved = os.environ.get(agreement.ENV)   # the benchmarking knob, read when the strategy is made
+    os.environ[agreement.ENV] = "0"
+    try:
+        return ts.MirroredStrategy(num_replicas=replicas)
+    finally:
+        if saved is None:
+            os.environ.pop(agreement.ENV)
+        else:
+            os.environ[agreement.ENV] = saved
 
 
 def _time(step: Callable[[], None], steps: int, warmup: int) -> float:
@@ -241,6 +263,7 @@ def _rows(steps: int, warmup: int, rounds: int, groups: Sequence[str], tf: TFBas
             ("overhead", "in-process overhead: OneDevice", "one_device", 1, s, 32, False),
             ("overhead", "in-process overhead: Mirrored(1)", "mirrored", 1, s, 32, False),
             ("overhead", "in-process overhead: Mirrored(2)", "mirrored", 2, s, 32, False),
+            ("overhead", "in-process overhead: Mirrored(2), no agreement", "mirrored-no-agreement", 2, s, 32, False),
             ("overhead", "in-process overhead: Mirrored(3)", "mirrored", 3, s, 32, False),
         ]
     if "compile" in groups:
