@@ -145,7 +145,7 @@ std::vector<PieceRange> piece_ranges(const char* op, at::TensorList tensors, int
 }
 
 // The part of t a range names (a view, no copy): t itself when the range is all of it, else its flat view's
-// [a, b) (agreement_step.py's piece_of takes the same view).
+// [a, b).
 at::Tensor piece_view(const at::Tensor& t, int64_t a, int64_t b) {
   return a == 0 && b == t.numel() ? t.detach() : t.detach().view(-1).slice(0, a, b);
 }
@@ -163,7 +163,7 @@ void piece_items(const char* op, at::TensorList tensors, int64_t base, int64_t p
 
 }  // namespace
 
-// Rows [a, b] (int64 (n, 2), CPU) of piece_ranges: what agreement_step.py's slice_ranges reads.
+// Rows [a, b] (int64 (n, 2), CPU) of piece_ranges: which elements of each tensor a piece holds.
 at::Tensor agreement_piece(at::TensorList tensors, int64_t piece, int64_t slices) {
   const std::vector<PieceRange> ranges = piece_ranges("agreement_piece", tensors, piece, slices);
   at::Tensor out = at::empty({static_cast<int64_t>(ranges.size()), 2}, at::TensorOptions().dtype(at::kLong));
