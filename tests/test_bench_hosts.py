@@ -134,6 +134,47 @@ def test_a_stopped_run_exits_and_removes_its_namespaces_and_ranks(stop, tmp_path
         assert ("Aborted!" in text) == (signum == signal.SIGINT), text[-3000:]
 
 
+class _StopLandsHere:
+    """Python drops an exception raised in a ``__del__`` (printed as "Exception ignored in"), as it drops one
+    raised in a fork hook: where the CI saw a Ctrl-C land (logging's hook, while ``subprocess`` forked a rank)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        signal.raise_signal(self.signum)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_whose_exception_python_dropped_still_stops_the_bench(signum):
+    went_on, before = [], signal.getsignal(signum)
+    with pytest.raises((KeyboardInterrupt, SystemExit)) as stopped:
+        with netns.handle_signals():
+            _StopLandsHere(signum)  # made and dropped at once: its __del__ raises the stop, and Python drops it
+            went_on.append(True)
+    assert went_on == [True]  # the dropped exception did not stop the block: the block's end does
+    if signum == signal.SIGINT:
+        assert stopped.type is KeyboardInterrupt
+    else:
+        assert stopped.type is SystemExit and stopped.value.code == 128 + signum
+    assert signal.getsignal(signum) == before  # the handler from before is back
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_failure_after_a_dropped_stop_is_reported_as_the_stop_it_caused():
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with netns.handle_signals():
+            _StopLandsHere(signal.SIGINT)
+            raise RuntimeError("allreduce across 2 hosts: exit codes [-2, None]")  # the ranks got the Ctrl-C
+    assert isinstance(stopped.value.__cause__, RuntimeError)
+
+
+def test_an_error_without_a_stop_passes_through_unchanged():
+    with pytest.raises(RuntimeError, match="no stop here"), netns.handle_signals():
+        raise RuntimeError("no stop here")
+
+
 @needs_netns
 @pytest.mark.timeout(120)
 def test_a_stale_run_s_namespaces_are_swept_when_a_network_is_made():

@@ -155,19 +155,34 @@ def handle_signals() -> Iterator[None]:
     SIGHUP raise SystemExit(128 + signal), so the ``finally`` blocks that delete the namespaces run. That holds
     whatever the process inherited: a shell starts a background job (``cmd &`` in a script) with SIGINT
     ignored, and the namespaces outlive the bench unless it stops. The first one is enough: the ones after it
-    are ignored until the block is left, so pressing Ctrl-C again cannot interrupt the cleanup."""
+    are ignored until the block is left, so pressing Ctrl-C again cannot interrupt the cleanup.
+
+    The stop is also remembered, and the block ends with it whatever else happens inside: Python prints and
+    drops an exception raised where it cannot propagate (a signal that lands in a fork hook, e.g. logging's
+    while ``subprocess`` forks, or in a ``__del__``), and the bench would then go on, or fail with whatever
+    the stopped ranks' exit caused instead of saying it was stopped."""
+    stopped: list[int] = []
+
+    def stopping(signum: int) -> BaseException:
+        return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
     def stop(signum: int, _frame: Any) -> None:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        stopped.append(signum)
+        raise stopping(signum)
 
     old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         yield
+    except BaseException as e:
+        if stopped and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise stopping(stopped[0]) from e
+        raise
     finally:
         _restore(old)
+    if stopped:  # its exception was dropped on the way, and nothing failed after it
+        raise stopping(stopped[0])
 
 
 @contextlib.contextmanager
