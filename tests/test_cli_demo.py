@@ -136,6 +136,30 @@ def test_a_timed_out_example_leaves_no_process_behind(monkeypatch, tmp_path):
     assert not _alive(pid), f"the example's child {pid} survived the timeout"
 
 
+def test_a_timeout_shows_where_every_process_of_the_run_stood_and_writes_no_core_file(tmp_path):
+    # torchrun-like: the leader waits for a child; which of them hangs is what the output must say.
+    script = tmp_path / "hangs.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        def child_waits_for_a_peer():
+            time.sleep(120)
+        def leader_waits_for_its_child(child):
+            child.wait()
+        if sys.argv[1:] == ["child"]:
+            child_waits_for_a_peer()
+        else:
+            child = subprocess.Popen([sys.executable, __file__, "child"])
+            print("child", child.pid, flush=True)
+            leader_waits_for_its_child(child)
+    """))
+    code, out, timed_out = demo._run_group([sys.executable, str(script)], 6, str(tmp_path), echo=False, stderr=True)
+    assert timed_out and code != 0
+    assert "in child_waits_for_a_peer" in out and "in leader_waits_for_its_child" in out, out
+    assert out.index("child_waits_for_a_peer") < out.index("leader_waits_for_its_child")  # the leader last
+    assert not _alive(int(out.split("child ")[1].split()[0]))
+    assert [p.name for p in tmp_path.iterdir()] == ["hangs.py"]  # no core file
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -14,6 +14,7 @@ example that fails is reported with the tail of its output, and the demo exits w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -120,6 +121,7 @@ def _env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a process that crashes, or is stopped on a timeout, shows its stacks
     from torchstrategies.parameter_server.rpc.auth import with_job_secret
 
     return with_job_secret(env)       # the ParameterServerStrategy example needs a job secret
@@ -162,7 +164,8 @@ def _run_group(
     cmd: list[str], timeout: float, cwd: str, echo: bool, stderr: bool = False
 ) -> tuple[int, str, bool]:
     """Runs ``cmd`` in a new session; returns (exit status, stdout, timed out). ``stderr``: capture it
-    with stdout instead of letting it through."""
+    with stdout instead of letting it through. On a timeout every process of the session first writes where
+    each of its threads stands to stderr (:func:`_show_stacks`), so the output says which process hung where."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -172,11 +175,13 @@ def _run_group(
         cwd=cwd,
         start_new_session=True,
         errors="replace",
+        preexec_fn=_no_core_files,
     )
     timed_out = threading.Event()
 
     def on_timeout() -> None:
         timed_out.set()
+        _show_stacks(proc)
         _stop_group(proc)
 
     timer = threading.Timer(timeout, on_timeout)
@@ -199,6 +204,48 @@ def _run_group(
         if proc.stdout is not None:
             proc.stdout.close()
     return proc.returncode, "".join(lines), timed_out.is_set()
+
+
+def _no_core_files() -> None:
+    """In the child before exec (inherited by all it starts): a process aborted by :func:`_show_stacks` writes
+    no core file into the working directory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _show_stacks(proc: subprocess.Popen, wait: float = 2.0) -> None:
+    """Every process of ``proc``'s session writes where each of its threads stands, then ends: all are stopped
+    first (SIGSTOP: none reacts to another's end, and their outputs do not interleave), then one at a time, the
+    leader (torchrun) last, each gets SIGABRT, on which Python's fault handler (on by ``PYTHONFAULTHANDLER``,
+    :func:`_env`) writes its stacks to stderr, and is let go on; each is waited for up to ``wait`` seconds."""
+    pids = sorted(_session_pids(proc.pid), key=lambda pid: pid == proc.pid)
+    for sig in (signal.SIGSTOP, signal.SIGABRT):  # the abort waits, pending, until the process goes on
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        end = time.monotonic() + wait
+        while time.monotonic() < end and pid in _session_pids(proc.pid):
+            time.sleep(0.05)
+
+
+def _session_pids(sid: int) -> list[int]:
+    """The live (not zombie) processes whose session is ``sid`` (Linux /proc; elsewhere none)."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, session
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
