@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from torchstrategies.bench.launch import job_env, run_job, run_torchrun, worker_spec
+from torchstrategies.bench.launch import environment, job_env, run_job, run_torchrun, worker_spec
 
 # 200 KB on stderr before any stdout: more than a pipe buffer holds, so a piped stderr would block.
 _CHATTY = ("import sys; sys.stderr.write('x' * 200_000 + 'LAST-ERR'); sys.stderr.flush(); "
@@ -44,3 +44,13 @@ def test_run_job_names_a_job_that_wrote_no_results(monkeypatch):
     monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: None)  # a job that "succeeds" silently
     with pytest.raises(RuntimeError, match="t: the job wrote no results"):
         run_job("some.module", 2, [], job_env(), total=1, desc="t", progress=False)
+
+
+def test_environment_sets_inside_and_puts_back_what_was_there_even_on_an_error(monkeypatch):
+    monkeypatch.setenv("TS_TEST_KNOB_SET", "before")
+    monkeypatch.delenv("TS_TEST_KNOB_UNSET", raising=False)
+    with pytest.raises(RuntimeError, match="inside"), environment({"TS_TEST_KNOB_SET": "1", "TS_TEST_KNOB_UNSET": "2"}):
+        assert os.environ["TS_TEST_KNOB_SET"] == "1" and os.environ["TS_TEST_KNOB_UNSET"] == "2"
+        raise RuntimeError("inside")
+    assert os.environ["TS_TEST_KNOB_SET"] == "before"
+    assert "TS_TEST_KNOB_UNSET" not in os.environ

@@ -8,15 +8,33 @@ environment and :func:`worker_spec` the worker's side of a spec passed as ``--sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["run_torchrun", "run_job", "job_env", "worker_spec"]
+__all__ = ["run_torchrun", "run_job", "job_env", "worker_spec", "environment"]
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Sets ``values`` in ``os.environ`` inside; puts back what was there (or nothing) when left. For the knobs
+    a strategy reads when it is made, so they tune one row's strategy and not the rows after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def job_env(**extra: str) -> dict[str, str]:

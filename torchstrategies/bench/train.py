@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchstrategies.bench.launch import job_env, run_job, worker_spec
+from torchstrategies.bench.launch import environment, job_env, run_job, worker_spec
 from torchstrategies.bench.mlp import SIZES, mlp
 from torchstrategies.bench.report import BenchResult, bar_chart, median
 from torchstrategies.bench.tf_baseline import ENV_VAR as ENV_TF_PYTHON
@@ -109,8 +109,6 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
           bytes_per_pack: int | None = None) -> Runner:
     def setup(ctx: BenchContext) -> tuple[Callable[[], None], Callable[[], None]]:
 
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
         import torch
 
         from torchstrategies import CommunicationOptions
@@ -119,14 +117,8 @@ def _mwms(implementation: str | None, no_comm: bool = False, env: dict[str, str]
         options = None if implementation is None else CommunicationOptions(implementation=implementation)
         if bytes_per_pack is not None:
             options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
-        try:
+        with environment(env or {}):  # the variables only tune this runner's strategy, not the rows after it
             strategy = MultiWorkerMirroredStrategy(communication_options=options)
-        finally:  # the variables only tune this runner's strategy, not the rows after it
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         with strategy.scope():
             torch.manual_seed(ctx.seed)
             model = mlp()

@@ -35,11 +35,11 @@ Example:
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torchstrategies.bench.launch import environment
 from torchstrategies.bench.mlp import SIZES as COMPILE_SIZES
 from torchstrategies.bench.mlp import mlp as _mlp
 from torchstrategies.bench.report import BenchResult, median
@@ -168,15 +168,8 @@ def _strategy(kind: str, replicas: int) -> Strategy:
         return ts.OneDeviceStrategy("cpu")
     if kind == "mirrored":
         return ts.MirroredStrategy(num_replicas=replicas)
-    saved = os.environ.get(agreement.ENV)   # the benchmarking knob, read when the strategy is made
-    os.environ[agreement.ENV] = "0"
-    try:
+    with environment({agreement.ENV: "0"}):   # the benchmarking knob, read when the strategy is made
         return ts.MirroredStrategy(num_replicas=replicas)
-    finally:
-        if saved is None:
-            os.environ.pop(agreement.ENV)
-        else:
-            os.environ[agreement.ENV] = saved
 
 
 def _time(step: Callable[[], None], steps: int, warmup: int) -> float:
