@@ -13,9 +13,9 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 ROWS, FEATURES, GLOBAL_BATCH, EPOCHS = 37, 5, 8, 3  # 37 rows: a final batch of 5 splits 3 + 2
 
 
-def data() -> tuple[np.ndarray, np.ndarray]:
+def data(rows: int = ROWS) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
     y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1).astype("float32")
     return x, y
 
@@ -100,12 +100,12 @@ def _custom_step_model(kind: str, row_counter: Any) -> Any:
     return model
 
 
-def fit_inputs(source: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def fit_inputs(source: str, rows: int = ROWS) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments of ``fit`` that give the same global batches from NumPy arrays, a torch DataLoader or
     a Python generator."""
     import torch
 
-    x, y = data()
+    x, y = data(rows)
     if source == "arrays":
         return (x, y), {"batch_size": GLOBAL_BATCH, "shuffle": False}
     if source == "loader":
@@ -114,22 +114,22 @@ def fit_inputs(source: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
     def batches():
         while True:
-            for i in range(0, ROWS, GLOBAL_BATCH):
+            for i in range(0, rows, GLOBAL_BATCH):
                 yield x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]
 
-    return (batches(),), {"steps_per_epoch": -(-ROWS // GLOBAL_BATCH)}
+    return (batches(),), {"steps_per_epoch": -(-rows // GLOBAL_BATCH)}
 
 
-def train(model: Any, jit_compile: bool = False, source: str = "arrays", shuffle_seed: int | None = None
-          ) -> dict[str, Any]:
+def train(model: Any, jit_compile: bool = False, source: str = "arrays", shuffle_seed: int | None = None,
+          rows: int = ROWS) -> dict[str, Any]:
     """Compiles and fits ``model`` (made in or out of a scope) on the global batches; returns what the tests
     compare."""
     import keras
 
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"],
                   jit_compile=jit_compile)
-    x, y = data()
-    args, kwargs = fit_inputs(source)
+    x, y = data(rows)
+    args, kwargs = fit_inputs(source, rows)
     if shuffle_seed is not None:  # Keras' default shuffle=True: a torch RandomSampler seeded from torch's state
         import torch
 
@@ -143,28 +143,26 @@ def train(model: Any, jit_compile: bool = False, source: str = "arrays", shuffle
             "evaluate": evaluation, "predict": prediction, "rows": rows}
 
 
-def plain(kind: str) -> dict[str, Any]:
-    return train(build(kind))
+def plain(kind: str, rows: int = ROWS) -> dict[str, Any]:
+    return train(build(kind), rows=rows)
 
 
-def in_process(strategy_name: str, kind: str) -> dict[str, Any]:
-    import torchstrategies as ts
-
-    strategy = (ts.MirroredStrategy(num_replicas=2) if strategy_name == "mirrored2"
-                else ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"))
+def in_process(strategy_name: str, kind: str, rows: int = ROWS) -> dict[str, Any]:
+    strategy = _strategy(strategy_name)
     with strategy.scope():
         model = build(kind)
-    return train(model)
+    return train(model, rows=rows)
 
 
-def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays", shuffle: bool = False) -> dict[str, Any]:
+def mwms_rank(rank: int, world: int, kind: str, source: str = "arrays", shuffle: bool = False, rows: int = ROWS
+              ) -> dict[str, Any]:
     import torchstrategies as ts
 
     strategy = ts.MultiWorkerMirroredStrategy()
     try:
         with strategy.scope():
             model = build(kind)
-        return train(model, source=source, shuffle_seed=100 + rank if shuffle else None)
+        return train(model, source=source, shuffle_seed=100 + rank if shuffle else None, rows=rows)
     finally:
         strategy.shutdown()
 
@@ -241,10 +239,11 @@ def _strategy(name: str) -> Any:
     return {"mirrored2": lambda: ts.MirroredStrategy(num_replicas=2),
             "mirrored3": lambda: ts.MirroredStrategy(num_replicas=3),
             "central_storage2": lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu"),
+            "central_storage3": lambda: ts.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"], parameter_device="cpu"),
             "mwms": ts.MultiWorkerMirroredStrategy}[name]()
 
 
-def custom_step(strategy_name: str | None, kind: str = "custom_step") -> Any:
+def custom_step(strategy_name: str | None, kind: str = "custom_step", rows: int = ROWS) -> Any:
     """Fits the float64 model with its own train_step (``_custom_step_model``) on the global batches, without
     a strategy (None) or under one; returns its weights, or the error's type and text."""
     import keras
@@ -259,7 +258,7 @@ def custom_step(strategy_name: str | None, kind: str = "custom_step") -> Any:
             with strategy.scope():
                 model = build(kind)
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse", metrics=["mae"])
-        x, y = data()
+        x, y = data(rows)
         try:
             model.fit(x.astype("float64"), y.astype("float64"), batch_size=GLOBAL_BATCH, epochs=EPOCHS,
                       shuffle=False, verbose=0)

@@ -146,6 +146,36 @@ def test_in_process_replicas_fit_equals_one_process_on_the_global_batches(strate
     assert got["rows"] == dict(enumerate(SHARES))
 
 
+# 34 rows in global batches of 8: the last has 2 rows, and on 3 replicas one of them gets none ([1, 1, 0]), as
+# TF splits it; that replica still runs the step (its loss 0, weighed by its 0 rows) and training, the history,
+# evaluate() (whose last batch is the same) and predict() equal one process.
+EMPTY_ROWS = 34
+EMPTY_SHARES = [K.EPOCHS * (4 * 3 + 1), K.EPOCHS * (4 * 3 + 1), K.EPOCHS * (4 * 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+@pytest.mark.parametrize("strategy_name", ["mirrored3", "central_storage3"])
+def test_a_batch_with_fewer_rows_than_replicas_leaves_one_empty_and_fit_equals_one_process(strategy_name, kind):
+    got = K.in_process(strategy_name, kind, rows=EMPTY_ROWS)
+    assert_same(got, K.plain(kind, rows=EMPTY_ROWS))
+    assert got["rows"] == dict(enumerate(EMPTY_SHARES))
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_with_fewer_rows_than_workers_leaves_one_empty_and_fit_equals_one_process_under_multi_worker():
+    want = K.plain("bn", rows=EMPTY_ROWS)
+    ranks = run_ranks(K.mwms_rank, 3, args=("bn", "arrays", False, EMPTY_ROWS), timeout=260)
+    for got in ranks:
+        assert_same(got, want)
+    assert [r["rows"] for r in ranks] == [{rank: n} for rank, n in enumerate(EMPTY_SHARES)]
+
+
+@pytest.mark.timeout(240)
+def test_a_custom_train_step_with_an_empty_replica_trains_as_one_process():
+    assert_same_weights(K.custom_step("mirrored3", rows=EMPTY_ROWS), K.custom_step(None, rows=EMPTY_ROWS))
+
+
 def test_a_strategy_without_keras_support_refuses_a_keras_model_naming_it_and_what_works():
     from torchstrategies.distribute.distribute_lib import StrategyExtended
 

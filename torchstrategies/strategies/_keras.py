@@ -12,6 +12,8 @@ only what Keras' loop needs on top, as instance attributes of the model (its cla
   first (TF's rule for a partial batch). MWMS: this process runs Keras' step on its rows. In-process:
   ``strategy.run`` runs Keras' step once per replica on its rows, and the Keras optimizer's ``apply`` is a
   merge_call (one update in cross-replica context from the summed gradients, copied to every replica).
+  A batch with fewer rows than replicas leaves a replica empty (0 rows): it runs the step all the same,
+  and its ``compute_loss`` is 0 (Keras gives an empty tensor), weighed by its 0 rows in the loss tracker.
 * The gradient of ``model.compute_loss`` is scaled by ``replica rows / global rows`` (where TF's Keras
   scales the loss for tf.distribute), so the summed gradient is the gradient of the global mean:
   ``1/num_replicas`` for an even split, as TF's Keras scales, and exact for an uneven final batch. Keras'
@@ -35,7 +37,7 @@ only what Keras' loop needs on top, as instance attributes of the model (its cla
   removed after ``fit`` (TF's rule: the chief writes, the others write somewhere harmless).
 
 The files: this one attaches a model (``attach``); ``_keras_replicas.py`` holds what both kinds of strategy
-share (the split of the global batch, the scaled loss, the layers that see the global batch);
+share (the split of the global batch, the replica's loss, the layers that see the global batch);
 ``_keras_worker.py`` the MultiWorkerMirrored worker (its rows, global metrics, the chief's checkpoints);
 ``_keras_in_process.py`` the in-process replicas (``strategy.run``, the merged ``apply``, the same draw).
 Keras is never imported in them, and never touched directly: every attribute they read or replace on a

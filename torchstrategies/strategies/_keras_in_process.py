@@ -81,7 +81,7 @@ class KerasInProcess(KerasReplicas):
         shards, _ = self.split(data)
         strategy = self.extended._container_strategy()
         try:
-            with self._scaled_loss(), self._merged_apply():
+            with self._replica_loss(train=True), self._merged_apply():
                 strategy.run(self.train_step, args=(PerReplica(tuple(shards)),))
         finally:
             self.rows = None
@@ -90,7 +90,8 @@ class KerasInProcess(KerasReplicas):
     def test(self, data: Any) -> Any:
         shards, _ = self.split(data)
         self.rows = None
-        self.extended._container_strategy().run(self.test_step, args=(PerReplica(tuple(shards)),))
+        with self._replica_loss(train=False):
+            self.extended._container_strategy().run(self.test_step, args=(PerReplica(tuple(shards)),))
         return self.model.get_metrics_result()
 
 

@@ -108,10 +108,6 @@ class KerasReplicas:
         n = _batch_rows(data)
         replicas = int(self.extended._num_replicas_in_sync)
         parts = [split_rows(n, replicas, r) for r in range(replicas)]
-        if any(stop == start for start, stop in parts):
-            raise ValueError(
-                f"A global batch of {n} rows can not be split over {replicas} replicas (one would get no rows): "
-                "make batch_size and the last batch at least the number of replicas")
         self.rows = {r: (start, stop, n) for r, (start, stop) in enumerate(parts)}
         return [_map(functools.partial(_rows, start=start, stop=stop), data) for start, stop in parts], n
 
@@ -155,34 +151,43 @@ class KerasReplicas:
         yield
 
     @contextlib.contextmanager
-    def _scaled_loss(self) -> Iterator[None]:
-        """In a train step, ``model.compute_loss`` (what Keras' own step and a ``train_step`` written as in
-        Keras' guide call) returns the replica's loss with its gradient scaled by the replica's rows / the
-        global rows, so the replicas' summed gradient is the global batch's, as TF's Keras scales the loss
-        under tf.distribute (``scale_loss_for_distribution``, in the loss). The value is the replica's own
-        loss, so Keras' loss tracker and a custom step's metrics read it as one process does. A step that
-        applied gradients without calling ``compute_loss`` raises (they would be summed unscaled)."""
+    def _replica_loss(self, train: bool) -> Iterator[None]:
+        """Inside, ``model.compute_loss`` (what Keras' own steps and a ``train_step`` written as in Keras' guide
+        call) returns the replica's loss as one process would for the replica's rows, with two changes:
+
+        * A replica with no rows (a global batch with fewer rows than replicas, e.g. the last one) gets 0, where
+          Keras gives an empty tensor (``reduce_values`` returns the values of an empty batch as they are);
+          Keras' loss tracker weighs it by the replica's 0 rows, so the global loss is the other replicas'.
+        * In a train step (``train``), its gradient is scaled by the replica's rows / the global rows, so the
+          replicas' summed gradient is the global batch's, as TF's Keras scales the loss under tf.distribute
+          (``scale_loss_for_distribution``, in the loss). The value stays the replica's own loss, so Keras'
+          loss tracker and a custom step's metrics read it as one process does. A train step that applied
+          gradients without calling ``compute_loss`` raises (they would be summed unscaled)."""
         model = keras_api.compiled(self.model)
         optimizer = model.optimizer
         compute_loss = model.compute_loss  # the class's (a subclass may override it)
         calls: list[int] = []
 
-        def scaled(*args: Any, **kwargs: Any) -> Any:
+        def replica_loss(*args: Any, **kwargs: Any) -> Any:
             loss = compute_loss(*args, **kwargs)
+            calls.append(1)
+            if not isinstance(loss, torch.Tensor):
+                return loss
+            if loss.numel() == 0:  # no rows: adds nothing to the global batch's loss or gradient
+                loss = loss.sum()
+            if not train or not loss.requires_grad:
+                return loss
             assert self.rows is not None
             start, stop, n = self.rows[self.replica_id()]
-            calls.append(1)
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                return loss
             return _ScaleGradient.apply(loss, (stop - start) / n)
 
-        steps = keras_api.iterations(optimizer)
-        keras_api.override(model, "compute_loss", scaled)
+        steps = keras_api.iterations(optimizer) if train else None
+        keras_api.override(model, "compute_loss", replica_loss)
         try:
             yield
         finally:
             keras_api.remove_override(model, "compute_loss")
-        if not calls and keras_api.iterations(optimizer) != steps:
+        if train and not calls and keras_api.iterations(optimizer) != steps:
             raise RuntimeError(
                 f"The train step of {type(model).__name__} applied gradients of a loss that model.compute_loss did "
                 f"not compute, under {type(self.extended._container_strategy()).__name__} with "

@@ -104,7 +104,7 @@ class KerasWorker(KerasReplicas):
         self._adopt_new_weights()
         shards, _ = self.split(data)
         try:
-            with self._global_metrics(), self._scaled_loss(), self._replica():
+            with self._global_metrics(), self._replica_loss(train=True), self._replica():
                 logs = self.train_step(shards[self.replica_id()])
         finally:
             self.rows = None
@@ -115,7 +115,7 @@ class KerasWorker(KerasReplicas):
         self._adopt_new_weights()
         shards, _ = self.split(data)
         self.rows = None
-        with self._global_metrics(), self._replica():
+        with self._global_metrics(), self._replica_loss(train=False), self._replica():
             logs = self.test_step(shards[self.replica_id()])
         return _with_global(logs, self.model)
 
