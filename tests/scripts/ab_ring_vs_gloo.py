@@ -22,8 +22,11 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,65536,1048576,16777216,67108864")
     p.add_argument("--iters", type=int, default=0, help="rounds per size (0: by size)")
     a = p.parse_args()
-    dist.init_process_group("gloo")
     from torchstrategies.collectives import BackendOptions
+    from torchstrategies.strategies._mw_cluster import import_dynamo_first
+
+    import_dynamo_first()  # before the group: else its gloo threads may abort the exit (_mw_cluster.py)
+    dist.init_process_group("gloo")
 
     ring = dist.new_group(backend="torchstrategies", pg_options=BackendOptions("RING", 60))
 

@@ -34,7 +34,9 @@ import json, os, resource, sys, time
 import torch, torch.distributed as dist
 import torchstrategies
 from torchstrategies.collectives import BackendOptions
+from torchstrategies.strategies._mw_cluster import import_dynamo_first
 impl, size, calls, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import_dynamo_first()  # before the group: else its gloo threads may abort the exit (_mw_cluster.py)
 dist.init_process_group("gloo")
 g = None if impl == "gloo" else dist.new_group(backend="torchstrategies", pg_options=BackendOptions(impl, 300))
 x = torch.ones(size // 4)
@@ -50,6 +52,7 @@ dist.barrier()
 with open(out + str(dist.get_rank()), "w") as f:
     json.dump({"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
                "vcsw": r1.ru_nvcsw - r0.ru_nvcsw, "ivcsw": r1.ru_nivcsw - r0.ru_nivcsw}, f)
+dist.destroy_process_group()  # its gloo threads end here, not in the interpreter's exit (_mw_cluster.py)
 """
 
 
